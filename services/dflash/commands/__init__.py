@@ -1,0 +1,1 @@
+"""Subcommands of the `dflash` CLI; each module has `register(subparsers)`."""

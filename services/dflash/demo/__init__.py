@@ -1,0 +1,1 @@
+"""Built-in demo target model: corpus, tokenizer and from-scratch pretraining."""

@@ -1,0 +1,138 @@
+"""Training corpus for the demo target: the Python standard library's own source.
+
+The corpus needs no downloads: every Python installation ships it. A fixed set of
+modules (:data:`HELD_OUT_MODULES`) is never trained on and serves for evaluation.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import sysconfig
+from pathlib import Path
+from typing import Literal
+
+Split = Literal["train", "heldout"]
+
+#: Stdlib files (relative to the stdlib root) excluded from training and used for
+#: held-out loss and evaluation prompts. Chosen to be small, self-contained and
+#: typical library code.
+HELD_OUT_MODULES: tuple[str, ...] = (
+    "json/decoder.py",
+    "textwrap.py",
+    "heapq.py",
+    "fractions.py",
+    "shlex.py",
+    "bisect.py",
+    "colorsys.py",
+    "calendar.py",
+    "difflib.py",
+    "string.py",
+    "sched.py",
+    "queue.py",
+)
+
+MAX_FILE_BYTES = 200_000
+
+# Directory names whose content is tests, tooling or third-party code rather than
+# ordinary library source.
+_SKIP_DIRS = frozenset(
+    {
+        "site-packages",
+        "dist-packages",
+        "test",
+        "tests",
+        "idlelib",
+        "lib2to3",
+        "idle_test",
+        "__pycache__",
+        "turtledemo",
+        "config-3",
+    }
+)
+
+_DEF_RE = re.compile(r"^[ \t]*(?:async[ \t]+def|def|class)[ \t]+\w", re.MULTILINE)
+
+
+def stdlib_root() -> Path:
+    """Return the directory holding the running interpreter's standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _is_skipped(rel: Path) -> bool:
+    return any(part in _SKIP_DIRS or part.startswith("config-") for part in rel.parts[:-1])
+
+
+def list_files(split: Split = "train", root: Path | None = None) -> list[Path]:
+    """List the corpus files of ``split`` ("train" or "heldout") in sorted order.
+
+    Skips site-packages, test/tool folders and files above :data:`MAX_FILE_BYTES`.
+    """
+    if split not in ("train", "heldout"):
+        raise ValueError(f"unknown split {split!r}")
+    root = root or stdlib_root()
+    if split == "heldout":
+        return [root / m for m in HELD_OUT_MODULES if (root / m).is_file()]
+    held = set(HELD_OUT_MODULES)
+    files = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if rel.as_posix() in held or _is_skipped(rel):
+            continue
+        if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
+            continue
+        files.append(path)
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def read_text(path: Path) -> str:
+    """Read a source file as UTF-8, replacing undecodable bytes."""
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def load_texts(split: Split = "train", max_files: int | None = None) -> list[str]:
+    """Return the texts of ``split`` in :func:`list_files` order (at most ``max_files``)."""
+    files = list_files(split)
+    if max_files is not None:
+        files = files[:max_files]
+    return [read_text(p) for p in files]
+
+
+def _definition_starts(text: str) -> list[int]:
+    return [m.start() for m in _DEF_RE.finditer(text)]
+
+
+def cut_prompts(texts: list[str], n: int, prompt_chars: int, seed: int) -> list[str]:
+    """Cut ``n`` distinct prompts of ``prompt_chars`` characters from ``texts``.
+
+    Each prompt begins at a line holding a ``def``/``class`` statement; the choice
+    of start points is a seeded, deterministic shuffle over all files.
+    """
+    candidates = [
+        (i, start)
+        for i, text in enumerate(texts)
+        for start in _definition_starts(text)
+        if start + prompt_chars <= len(text)
+    ]
+    rng = random.Random(seed)
+    rng.shuffle(candidates)
+    prompts: list[str] = []
+    seen: set[str] = set()
+    for i, start in candidates:
+        prompt = texts[i][start : start + prompt_chars]
+        if prompt not in seen:
+            seen.add(prompt)
+            prompts.append(prompt)
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def heldout_prompts(n: int = 64, prompt_chars: int = 300, seed: int = 0) -> list[str]:
+    """Return ``n`` deterministic prompts cut from the held-out modules."""
+    return cut_prompts(load_texts("heldout"), n, prompt_chars, seed)
+
+
+def training_prompts(n: int, prompt_chars: int = 300, seed: int = 0) -> list[str]:
+    """Return ``n`` deterministic prompts cut from the training files."""
+    return cut_prompts(load_texts("train"), n, prompt_chars, seed)

@@ -1,0 +1,173 @@
+"""The DFlash drafter: Qwen3-style layers whose keys/values start with the target's fused features.
+
+Parameter names match the public checkpoint format (`layers.{i}.self_attn.q_proj.weight`, `fc.weight`,
+`hidden_norm.weight`, `norm.weight`, ...). The drafter owns no embedding and no LM head: callers embed
+block tokens with the target's `embed_tokens` and read logits through the target's `lm_head`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from .config import DFlashConfig
+
+_NOT_QWEN3_KEYS = ("architectures", "auto_map", "dflash_config", "block_size", "num_target_layers", "model_type")
+
+
+class DraftCache:
+    """Keys/values of the context features the drafter has seen, per layer: [1, kv_heads, n, head_dim].
+
+    Only context (target features of committed positions) is kept; block keys/values live for one
+    forward. `length` is the number of context positions held.
+    """
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[-2]
+
+    def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            key = torch.cat([self.keys[layer], key], dim=-2)
+            value = torch.cat([self.values[layer], value], dim=-2)
+        self.keys[layer], self.values[layer] = key, value
+        return key, value
+
+    def crop(self, length: int) -> None:
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is not None:
+                self.keys[i], self.values[i] = k[..., :length, :], v[..., :length, :]
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys/values from [context features | block], non-causal."""
+
+    def __init__(self, config: DFlashConfig, qwen3: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
+
+    def _heads(self, x: torch.Tensor, proj: nn.Linear, norm: nn.Module | None) -> torch.Tensor:
+        out = proj(x).view(*x.shape[:-1], -1, self.head_dim)
+        if norm is not None:
+            out = norm(out)
+        return out.transpose(1, 2)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        context: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: DraftCache | None,
+    ) -> torch.Tensor:
+        n_ctx = context.shape[1]
+        cos, sin = rope  # [B, n_ctx + n_block, head_dim], context positions first
+        q = self._heads(hidden, self.q_proj, self.q_norm)
+        k_blk = self._heads(hidden, self.k_proj, self.k_norm)
+        v_blk = self._heads(hidden, self.v_proj, None)
+        k_ctx = self._heads(context, self.k_proj, self.k_norm)
+        v_ctx = self._heads(context, self.v_proj, None)
+        q, k_blk = apply_rotary_pos_emb(q, k_blk, cos[:, n_ctx:], sin[:, n_ctx:])
+        k_ctx = apply_rotary_pos_emb(k_ctx, k_ctx, cos[:, :n_ctx], sin[:, :n_ctx])[1]
+        if cache is not None:
+            k_ctx, v_ctx = cache.append(self.layer_idx, k_ctx, v_ctx)
+        k = torch.cat([k_ctx, k_blk], dim=2)
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=False, enable_gqa=self.num_kv_heads != self.num_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:-1], -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, qwen3: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, qwen3, layer_idx)
+        self.mlp = Qwen3MLP(qwen3)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden, context, rope, mask, cache):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, rope, mask, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DFlashDraftModel(nn.Module):
+    """The drafter network. One forward drafts every block position at once."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        qwen3 = qwen3_config(config)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, qwen3, i) for i in range(config.num_hidden_layers))
+        self.fc = nn.Linear(config.num_features * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(qwen3)
+
+    def forward(
+        self,
+        noise_embedding: torch.Tensor,
+        target_hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DraftCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Draft hidden states for the block tokens.
+
+        noise_embedding: [B, Lq, H], the target's embedding of [anchor token, MASK, ...] per block.
+        target_hidden: [B, Lc, n*H], the selected target layers' outputs, concatenated, for NEW context
+            positions (appended to `cache` when one is given).
+        position_ids: [B, C + Lc + Lq] absolute positions of cached context, new context, then block,
+            or [B, Lc + Lq] when no cache is given.
+        attention_mask: optional bool [B, 1, Lq, C + Lc + Lq], True where a query may look (training).
+        Returns [B, Lq, H], normalised; apply the target's lm_head to get logits.
+        """
+        context = self.hidden_norm(self.fc(target_hidden))
+        cached = cache.length if cache is not None else 0
+        rope = self.rotary_emb(noise_embedding, position_ids[:, cached:])
+        masks = self._masks(position_ids, noise_embedding.shape[1], attention_mask)
+        hidden = noise_embedding
+        for layer in self.layers:
+            hidden = layer(hidden, context, rope, masks[layer.self_attn.sliding_window], cache)
+        return self.norm(hidden)
+
+    def _masks(self, position_ids, num_queries, attention_mask):
+        masks = {None: attention_mask}
+        for window in {l.self_attn.sliding_window for l in self.layers} - {None}:
+            q_pos = position_ids[:, -num_queries:, None]
+            near = (q_pos - position_ids[:, None, :]) < window
+            near = near[:, None]
+            masks[window] = near if attention_mask is None else (near & attention_mask)
+        return masks
+
+
+def qwen3_config(config: DFlashConfig) -> Qwen3Config:
+    """A transformers Qwen3Config for the shared pieces (RoPE variants, MLP activation)."""
+    kwargs = {k: v for k, v in config.raw.items() if k not in _NOT_QWEN3_KEYS}
+    kwargs.setdefault("head_dim", config.head_dim)
+    kwargs.setdefault("hidden_act", "silu")
+    return Qwen3Config(**kwargs)

@@ -1,0 +1,72 @@
+"""The state of one request: everything its next round needs, in one object."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .params import SamplingParams
+from .stats import GenerationStats, RoundStats
+from .textstream import TextStream
+
+
+@dataclass(frozen=True)
+class RoundOutput:
+    """What one round adds to the stream: committed token ids, their text, and the round's numbers.
+
+    `totals` is the request's running statistics (the same object every round).
+    finish_reason is None while the request goes on, else "stop" (stop token or string) or "length".
+    """
+
+    token_ids: list[int]
+    text: str
+    stats: RoundStats
+    totals: GenerationStats
+    finish_reason: str | None = None
+
+
+@dataclass
+class Generation:
+    """One request in flight.
+
+    Sequence positions: prompt tokens, then `output_ids`. The last committed token sits at `position`
+    and has not been through the target yet; the target cache holds positions [0, position).
+    `pending_features` are target features of positions [drafter_start, position) that the drafter
+    has not seen. GPU caches are disposable: prompt_ids + output_ids + seed rebuild everything.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    block_size: int
+    stop_token_ids: frozenset[int]
+    cache: object
+    seed: int = field(default_factory=lambda: secrets.randbits(62))
+    output_ids: list[int] = field(default_factory=list)
+    pending_features: torch.Tensor | None = None
+    drafter_start: int = 0
+    text: TextStream | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+    num_rounds: int = 0
+
+    @property
+    def position(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1]
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,89 @@
+"""Building an engine from directories (or hub ids): target, tokenizer, drafter, checked against each other."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from .drafter.checkpoint import check_compatible, load_drafter, resolve_dir
+from .drafter.local import LocalDrafter
+from .engine import SpeculativeEngine
+from .errors import CheckpointError, DFlashError
+from .target import TargetModel
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise DFlashError(f"unknown device '{device}'; use cpu, cuda, cuda:N or auto") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise DFlashError(f"device '{device}' asked for, but this machine has no CUDA device; use --device cpu")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype | str:
+    if dtype == "auto":
+        return "auto" if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise DFlashError(f"unknown dtype '{dtype}'; use auto, float32, bfloat16 or float16")
+    return DTYPES[dtype]
+
+
+def load_target(path_or_id: str | Path, device: torch.device, dtype: torch.dtype | str):
+    """Load any AutoModelForCausalLM and its tokenizer (None when the directory has none)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = resolve_dir(path_or_id, "target")
+    if not (directory / "config.json").is_file():
+        raise CheckpointError(f"target directory '{directory}' has no config.json")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype)
+    except Exception as exc:  # transformers raises ValueError/KeyError/OSError/safetensors errors here
+        raise CheckpointError(
+            f"cannot load target '{directory}' as a Hugging Face causal LM: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
+    model = model.to(device).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    except Exception:  # no tokenizer files: the engine still works on token ids
+        tokenizer = None
+    return model, tokenizer
+
+
+def eos_ids(model) -> list[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None) if model.generation_config else None
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def build_engine(
+    target: str | Path,
+    drafter: str | Path | None = None,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+) -> SpeculativeEngine:
+    """Target (+ drafter) directories in, a ready engine out; mismatches raise CheckpointError."""
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    model, tokenizer = load_target(target, dev, torch_dtype)
+    if drafter is None:
+        return SpeculativeEngine(TargetModel(model), None, tokenizer, eos_ids(model))
+    draft_model = load_drafter(drafter, device=dev, dtype=model.dtype)
+    embed = model.get_input_embeddings()
+    check_compatible(draft_model.config, model.config, embed.weight.shape[0])
+    target_model = TargetModel(model, draft_model.config.target_layer_ids)
+    local = LocalDrafter(draft_model, target_model.embed_tokens, target_model.lm_head)
+    return SpeculativeEngine(target_model, local, tokenizer, eos_ids(model))

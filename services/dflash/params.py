@@ -1,0 +1,70 @@
+"""Per-request decoding parameters, validated once where a request enters the system."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .errors import InvalidRequestError
+
+MAX_NEW_TOKENS_LIMIT = 1 << 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request decodes.
+
+    temperature 0 is greedy. top_k 0 and top_p 1.0 switch those filters off. `seed` fixes the
+    sampled output: the same seed gives the same tokens at any block size (see sampling.py).
+    `block_size` None uses the drafter's trained block size; 1 switches drafting off.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    block_size: int | None = None
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
+        _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be >= 0 (0 is greedy), got {self.temperature}")
+        _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, 0, 1 << 31)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, (1 << 63) - 1)
+        if self.block_size is not None:
+            _check_int("block_size", self.block_size, 1, 1024)
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError("stop", f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0, 1 << 31)
+        if self.extra:
+            raise InvalidRequestError(next(iter(self.extra)), "unknown sampling parameter")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, value: object, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(name, f"must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise InvalidRequestError(name, f"must be between {lo} and {hi}, got {value}")
+
+
+def _check_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(name, f"must be a finite number, got {value!r}")

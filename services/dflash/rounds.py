@@ -1,0 +1,58 @@
+"""The pure pieces of one speculative round: make the block, accept against the posterior, commit.
+
+No models and no I/O here: tensors and lists in, tensors and lists out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def make_block(last_token: int, block_size: int, mask_token_id: int) -> torch.Tensor:
+    """The drafter's input: [last committed token, MASK x (block_size - 1)] as a LongTensor [block_size]."""
+    block = torch.full((block_size,), mask_token_id, dtype=torch.long)
+    block[0] = last_token
+    return block
+
+
+def accept_length(draft: torch.Tensor, posterior: torch.Tensor) -> int:
+    """Number of draft tokens the target agrees with.
+
+    draft: [B-1] proposed tokens for positions start+1 .. start+B-1.
+    posterior: [B] the target's own choice at positions start+1 .. start+B, given the block.
+    Draft token i is accepted while every draft token up to i equals the target's choice there;
+    since the draft is deterministic, this keeps the target's distribution exactly.
+    """
+    n = draft.shape[0]
+    if n == 0:
+        return 0
+    matches = (draft == posterior[:n]).to(torch.long)
+    return int(matches.cumprod(dim=0).sum().item())
+
+
+def committed_tokens(draft: torch.Tensor, posterior: torch.Tensor, accepted: int) -> list[int]:
+    """The accepted draft tokens plus the target's token at the first mismatch (the bonus token)."""
+    return draft[:accepted].tolist() + [int(posterior[accepted].item())]
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where to stop inside newly committed tokens: keep `tokens`; `finish_reason` None means go on."""
+
+    tokens: list[int]
+    finish_reason: str | None
+
+
+def cut_at_stop(new_tokens: list[int], stop_token_ids: frozenset[int], budget: int) -> Cut:
+    """Apply stop token ids (kept, as Hugging Face does) and the remaining token budget.
+
+    budget: how many more tokens may be emitted (max_new_tokens minus those already emitted).
+    """
+    for i, token in enumerate(new_tokens[:budget]):
+        if token in stop_token_ids:
+            return Cut(new_tokens[: i + 1], "stop")
+    if len(new_tokens) >= budget:
+        return Cut(new_tokens[:budget], "length")
+    return Cut(list(new_tokens), None)

@@ -1,0 +1,56 @@
+"""Turning target logits into tokens, identically for plain and speculative decoding.
+
+Sampling is position-seeded: the token at absolute position t is argmax(log p_t + g_t), where
+g_t is Gumbel noise drawn from a generator seeded by (seed, t) alone (the Gumbel-max trick).
+The noise of a position therefore does not depend on how many tokens a round verified, so a
+speculative run and a target-only run with the same seed write the same tokens, and each token
+is an exact sample of the target's (temperature/top-k/top-p filtered) distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .params import SamplingParams
+
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over the seed space
+_MASK63 = (1 << 63) - 1
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Return log-probabilities after temperature, top-k and top-p; filtered-out entries are -inf.
+
+    logits: [N, V] float. Output: [N, V] float32. Only meaningful when temperature > 0.
+    """
+    scores = logits.float() / params.temperature
+    if params.top_k and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        probs = sorted_scores.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores.log_softmax(dim=-1)
+
+
+def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise of shape [vocab_size] for one absolute position, on the CPU."""
+    generator = torch.Generator().manual_seed(((seed * _MIX) ^ position) & _MASK63)
+    uniform = torch.rand(vocab_size, generator=generator, dtype=torch.float64).clamp_(min=1e-300)
+    return -torch.log(-torch.log(uniform)).float()
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int) -> torch.Tensor:
+    """Pick one token per row of logits [N, V]; row i predicts absolute position first_position + i.
+
+    Returns a LongTensor [N] on the logits' device.
+    """
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    logprobs = filter_logits(logits, params)
+    vocab = logprobs.shape[-1]
+    noise = torch.stack([gumbel_noise(seed, first_position + i, vocab) for i in range(logprobs.shape[0])])
+    return (logprobs + noise.to(logprobs.device)).argmax(dim=-1)
