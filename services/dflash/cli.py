@@ -6,9 +6,9 @@ import argparse
 import sys
 
 from .errors import DFlashError
-from .commands import generate
+from .commands import generate, train
 
-COMMANDS = (generate,)
+COMMANDS = (generate, train)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,8 +13,16 @@ import torch
 
 from .params import SamplingParams
 
-_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over the seed space
-_MASK63 = (1 << 63) - 1
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed for (seed, position): splitmix64 finalizer, so neighbouring positions
+    get unrelated streams (Mersenne Twister seeded with nearby integers starts out correlated)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -38,7 +46,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
     """Gumbel(0, 1) noise of shape [vocab_size] for one absolute position, on the CPU."""
-    generator = torch.Generator().manual_seed(((seed * _MIX) ^ position) & _MASK63)
+    generator = torch.Generator().manual_seed(position_seed(seed, position))
     uniform = torch.rand(vocab_size, generator=generator, dtype=torch.float64).clamp_(min=1e-300)
     return -torch.log(-torch.log(uniform)).float()
 

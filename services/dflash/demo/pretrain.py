@@ -113,7 +113,10 @@ def tokenize_concat(tokenizer, texts: list[str]) -> np.ndarray:
 
 
 def cached_tokens(tokenizer, texts: list[str], path: Path) -> torch.Tensor:
-    """Tokenize ``texts`` once, caching the token array in ``path`` (.npy)."""
+    """Tokenize ``texts`` once, caching the token array in ``path`` (.npy).
+
+    The cache is not keyed on the tokenizer or texts: delete it after changing either.
+    """
     if path.is_file():
         arr = np.load(path)
     else:

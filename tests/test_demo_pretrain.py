@@ -1,0 +1,88 @@
+"""Fast checks of the demo target's tokenizer and resumable pretraining loop."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from dflash.demo import corpus
+from dflash.demo.pretrain import TrainConfig, demo_model_config, train_lm
+from dflash.demo.tokenizer import MASK_TOKEN, build_tokenizer
+
+SAMPLE = 'def área(r):\n    """Circle area."""\n    return 3.14159 * r ** 2  # ok\n'
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    return corpus.load_texts("train", max_files=8)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory, texts):
+    out = tmp_path_factory.mktemp("tok")
+    build_tokenizer(out, vocab_size=512, texts=texts)
+    return out
+
+
+def _tiny_config(vocab: int):
+    return demo_model_config(
+        vocab_size=vocab,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    )
+
+
+def _train(tok_dir, out, texts, steps, stop_after=None, **cfg):
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    defaults = dict(steps=steps, batch_size=4, seq_len=32, lr=3e-3, warmup=2,
+                    checkpoint_every=3, eval_every=1000, eval_windows=4)
+    defaults.update(cfg)
+    return train_lm(
+        _tiny_config(len(tok)), tok_dir, out, TrainConfig(**defaults),
+        texts=texts, heldout_texts=texts[:1], stop_after=stop_after, progress=False,
+    )
+
+
+def _losses(out) -> list[float]:
+    lines = (out / "train_log.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+def test_corpus_splits_are_disjoint():
+    held = set(corpus.list_files("heldout"))
+    assert len(held) == len(corpus.HELD_OUT_MODULES)
+    assert held.isdisjoint(corpus.list_files("train")[:50])
+    assert corpus.heldout_prompts(4, 200, seed=1) == corpus.heldout_prompts(4, 200, seed=1)
+
+
+def test_tokenizer_round_trip_and_mask(tok_dir):
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    ids = tok.encode(SAMPLE, add_special_tokens=False)
+    assert tok.decode(ids) == SAMPLE
+    assert tok.mask_token == MASK_TOKEN and tok.mask_token_id is not None
+    assert tok.eos_token_id == tok.pad_token_id != tok.mask_token_id
+    assert len(tok) == 512
+
+
+def test_training_lowers_loss(tok_dir, texts, tmp_path):
+    metrics = _train(tok_dir, tmp_path, texts, steps=30, lr=1e-2)
+    losses = _losses(tmp_path)
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.3
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+    assert metrics["steps"] == 30 and metrics["heldout_perplexity"] > 1
+
+
+def test_resume_matches_uninterrupted_run(tok_dir, texts, tmp_path):
+    full, split = tmp_path / "full", tmp_path / "split"
+    _train(tok_dir, full, texts, steps=8)
+    # Interrupted at step 5: the checkpoint is from step 3, steps 4-5 are redone.
+    assert _train(tok_dir, split, texts, steps=8, stop_after=5) == {}
+    _train(tok_dir, split, texts, steps=8)
+    assert _losses(split) == _losses(full)

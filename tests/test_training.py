@@ -1,0 +1,401 @@
+"""Drafter training: blocks and masks by hand, loss goes down, exact resume, engine equality, CLI end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from dflash.cli import main as cli_main
+from dflash.drafter.checkpoint import load_drafter
+from dflash.drafter.config import DFlashConfig
+from dflash.drafter.model import DFlashDraftModel
+from dflash.loading import build_engine
+from dflash.params import SamplingParams
+from dflash.target import TargetModel
+from dflash.training.blocks import (
+    IGNORE, block_accuracy, default_gamma, loss_weights, make_blocks, sample_anchors,
+)
+from dflash.training.config import TrainConfig, TrainConfigError
+from dflash.training.data import load_samples, read_records, tokenize
+from dflash.training.features import CachedFeatures, OnlineFeatures, cache_features
+from dflash.training.regenerate import regenerate
+from dflash.training.trainer import Trainer
+
+VOCAB = 64
+MASK_ID = 2
+WORDS = [f"w{i}" for i in range(VOCAB - 4)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and lose a lot when the machine is shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_target(seed: int = 0, layers: int = 4) -> Qwen3ForCausalLM:
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=256,
+                         eos_token_id=1, pad_token_id=0, initializer_range=0.3)
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(config).eval()
+
+
+def counting_target(steps: int = 150) -> Qwen3ForCausalLM:
+    """A tiny target trained to continue arithmetic progressions (w3 w5 w7 ...): a drafter can learn it."""
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=256,
+                         eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    g = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        x = progressions(32, 24, g)
+        model(input_ids=x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval()
+
+
+def progressions(n: int, length: int, g: torch.Generator) -> torch.Tensor:
+    start, step = torch.randint(0, 60, (n, 1), generator=g), torch.randint(1, 4, (n, 1), generator=g)
+    return (start + step * torch.arange(length)) % 60 + 4
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<pad>": 0, "<eos>": 1, "<mask>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   mask_token="<mask>", unk_token="<unk>")
+
+
+def words(rng: torch.Generator, n: int) -> str:
+    return " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=rng).tolist())
+
+
+def write_data(path, num: int, seed: int = 0) -> None:
+    rng = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for i in range(num):
+            f.write(json.dumps({"id": f"r{i}", "prompt": words(rng, 6), "response": words(rng, 20)}) + "\n")
+
+
+def make_trainer(tmp_path, model, tokenizer, **overrides) -> Trainer:
+    data = tmp_path / "data.jsonl"
+    if not data.exists():
+        write_data(data, 8)
+    settings = dict(target=str(tmp_path), data=str(data), out_dir=str(tmp_path / "out"), block_size=4,
+                    num_layers=1, batch_size=2, max_length=40, max_anchors=6, log_every=1, save_every=2,
+                    lr=3e-3, warmup_ratio=0.0, amp="off", save_dtype="float32")
+    settings.update(overrides)
+    config = TrainConfig(**settings)
+    samples, _ = load_samples(config.data, tokenizer, config.max_length)
+    drafter_config = DFlashConfig.for_target(model.config, num_layers=1, block_size=config.block_size,
+                                             mask_token_id=MASK_ID, target_layer_ids=[1, 2])
+    features = OnlineFeatures(model, drafter_config.target_layer_ids, config.distill_weight > 0)
+    return Trainer(config, model, drafter_config, samples, features, tokenizer=tokenizer, pad_id=0)
+
+
+# -- blocks: a hand-checked case ------------------------------------------------------------------------
+
+
+def test_blocks_hand_checked():
+    # 6 tokens: 2 prompt + 4 response; block size 3; anchors at 2 and 4 (the second runs past the end).
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    anchors, valid = torch.tensor([[2, 4]]), torch.tensor([[True, True]])
+    b = make_blocks(ids, loss_mask, anchors, valid, block_size=3, mask_token_id=99)
+
+    assert b.token_ids.tolist() == [[12, 99, 99, 14, 99, 99]]
+    assert b.positions.tolist() == [[2, 3, 4, 4, 5, 6]]
+    # slot k predicts the token AT anchor + k (no shift); slot 0 and positions past the end: no loss.
+    assert b.labels.tolist() == [[[IGNORE, 13, 14], [IGNORE, 15, IGNORE]]]
+    # the target's logits at label position - 1 predict the label (distillation).
+    assert b.teacher_positions.tolist() == [[[1, 2, 3], [3, 4, 5]]]
+    # keys: context 0..5 | block 0 (3 tokens) | block 1 (3 tokens)
+    #            c0 c1 c2 c3 c4 c5  b0 b0 b0  b1 b1 b1
+    block0 = [1, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0]  # context strictly before anchor 2, own block only
+    block1 = [1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1]  # context strictly before anchor 4, own block only
+    expected = torch.tensor([block0] * 3 + [block1] * 3, dtype=torch.bool)
+    assert b.attention_mask.shape == (1, 1, 6, 12)
+    assert torch.equal(b.attention_mask[0, 0], expected)
+
+
+def test_labels_skip_prompt_tokens_and_invalid_anchors():
+    ids = torch.tensor([[5, 6, 7, 8]])
+    loss_mask = torch.tensor([[1, 1, 0, 1]])  # e.g. a second prompt turn inside the sequence
+    b = make_blocks(ids, loss_mask, torch.tensor([[0, 1]]), torch.tensor([[True, False]]), 3, 9)
+    assert b.labels.tolist() == [[[IGNORE, 6, IGNORE], [IGNORE, IGNORE, IGNORE]]]
+
+
+def test_loss_weights_and_gamma():
+    assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
+    assert default_gamma(12) == pytest.approx(5 + 2 * 2 / 6)
+    w = loss_weights(4, gamma=7.0)
+    assert w.tolist() == pytest.approx([0.0, 1.0, math.exp(-1 / 7), math.exp(-2 / 7)])
+
+
+def test_sample_anchors_eligible_sorted_reproducible():
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 1, 1, 0]])
+    anchors, valid = sample_anchors(loss_mask, 3, torch.Generator().manual_seed(0))
+    again, _ = sample_anchors(loss_mask, 3, torch.Generator().manual_seed(0))
+    assert torch.equal(anchors, again)
+    # row 0: eligible 2..5 (a response token followed by one); row 1: only 5, then padding
+    assert valid.tolist() == [[True, True, True], [True, False, False]]
+    assert set(anchors[0].tolist()) <= {2, 3, 4, 5} and anchors[0].tolist() == sorted(anchors[0].tolist())
+    assert anchors[1, 0] == 5
+    many, many_valid = sample_anchors(loss_mask, 100, torch.Generator().manual_seed(1))
+    assert many[0].tolist() == [2, 3, 4, 5] and many_valid.sum() == 5
+
+
+def test_block_accuracy_counts_leading_run():
+    labels = torch.tensor([[[IGNORE, 1, 2, 3], [IGNORE, 4, 5, IGNORE]]])
+    preds = torch.tensor([[[0, 1, 9, 3], [0, 4, 5, 0]]])
+    correct, labelled, accepted = block_accuracy(preds, labels)
+    assert correct.tolist() == [0, 2, 1, 1] and labelled.tolist() == [0, 2, 2, 1]
+    assert accepted.tolist() == [2]  # only the full block counts: slot 1 right, slot 2 wrong -> 1 + 1
+
+
+def test_mask_isolates_blocks_in_the_model():
+    """Perturbing context at/after an anchor, or another block's tokens, leaves a block's output unchanged."""
+    torch.manual_seed(0)
+    target = tiny_target()
+    config = DFlashConfig.for_target(target.config, num_layers=2, block_size=3, mask_token_id=MASK_ID,
+                                     target_layer_ids=[1, 2])
+    drafter = DFlashDraftModel(config).eval()
+    ids = torch.randint(4, VOCAB, (1, 8))
+    b = make_blocks(ids, torch.ones_like(ids), torch.tensor([[2, 5]]), torch.tensor([[True, True]]), 3, MASK_ID)
+    feats = torch.randn(1, 8, 64)
+    noise = torch.randn(1, 6, 32)
+    positions = torch.cat([torch.arange(8)[None], b.positions], dim=1)
+    def run(f, n):
+        return drafter(n, f, positions, attention_mask=b.attention_mask)
+
+    base = run(feats, noise)
+    f2 = feats.clone()
+    f2[:, 2:] += 1.0  # context from anchor 0 on: block 0 must not see it, block 1 sees 2..4
+    out = run(f2, noise)
+    assert torch.allclose(out[:, :3], base[:, :3]) and not torch.allclose(out[:, 3:], base[:, 3:])
+    n2 = noise.clone()
+    n2[:, 3:] += 1.0  # block 1's tokens: block 0 unchanged
+    out = run(feats, n2)
+    assert torch.allclose(out[:, :3], base[:, :3])
+    n3 = noise.clone()
+    n3[:, 2] += 1.0  # the last slot of block 0 changes its first slot too: bidirectional inside a block
+    assert not torch.allclose(run(feats, n3)[:, 0], base[:, 0])
+
+
+# -- data, features, regeneration -----------------------------------------------------------------------
+
+
+def test_tokenize_masks_response_only(tmp_path):
+    tok = tiny_tokenizer()
+    sample = tokenize({"id": "a", "prompt": "w1 w2 w3", "response": "w4 w5"}, tok, max_length=100)
+    assert sample.input_ids == [5, 6, 7, 8, 9, 1]  # response gets EOS
+    assert sample.loss_mask == [0, 0, 0, 1, 1, 1]
+    chat = tokenize({"id": "c", "messages": [{"role": "user", "content": "w1"},
+                                             {"role": "assistant", "content": "w2 w3"}]}, tok, 100)
+    assert sum(chat.loss_mask) >= 2 and chat.loss_mask[0] == 0
+    assert tokenize({"id": "b", "prompt": "w1 w2", "response": "w4 w5"}, tok, max_length=3) is None
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "w1"}\nnot json\n')
+    with pytest.raises(Exception, match="bad.jsonl:2"):
+        read_records(tmp_path / "bad.jsonl")
+
+
+def test_features_match_engine_target_and_cache(tmp_path):
+    model, tok = tiny_target(), tiny_tokenizer()
+    write_data(tmp_path / "d.jsonl", 3)
+    samples, _ = load_samples(tmp_path / "d.jsonl", tok, 40)
+    from dflash.training.data import collate
+
+    batch = collate(samples, [0, 1, 2], 0)
+    n0 = len(samples[0].input_ids)
+    # the engine's TargetModel picks the same layers (hidden_states[i + 1]), with and without the early exit
+    for layer_ids, last_hidden in (((0, 2), False), ((1, 3), False), ((0, 2), True)):
+        online = OnlineFeatures(model, layer_ids, with_last_hidden=last_hidden)
+        assert online.early_exit == (layer_ids == (0, 2) and not last_hidden)
+        engine = TargetModel(model, layer_ids).forward(samples[0].input_ids, 0, TargetModel(model).new_cache())
+        assert torch.allclose(online(batch).features[0, :n0], engine.features, atol=1e-5)
+    got = OnlineFeatures(model, (1, 3), with_last_hidden=True)(batch)
+    cache_features(model, samples, tmp_path / "feats", (1, 3), with_last_hidden=True, batch_size=2, pad_id=0,
+                   dtype=torch.float32)
+    cached = CachedFeatures(tmp_path / "feats", torch.device("cpu"))(batch)
+    n = len(samples[1].input_ids)
+    assert torch.allclose(cached.features[1, :n], got.features[1, :n], atol=1e-5)
+    assert torch.allclose(cached.last_hidden[1, :n], got.last_hidden[1, :n], atol=1e-5)
+
+
+def test_regenerate_is_resumable(tmp_path):
+    model, tok = tiny_target(), tiny_tokenizer()
+    write_data(tmp_path / "p.jsonl", 5)
+    out = tmp_path / "regen.jsonl"
+    regenerate(model, tok, tmp_path / "p.jsonl", out, max_new_tokens=6, batch_size=2)
+    full = out.read_text().splitlines()
+    assert len(full) == 5
+    first = json.loads(full[0])
+    assert len(first["response_ids"]) <= 6 and first["prompt_ids"]
+    # a killed run: two complete lines and a torn third; resuming completes the rest identically (greedy)
+    out.write_text(full[0] + "\n" + full[1] + "\n" + full[2][:10])
+    regenerate(model, tok, tmp_path / "p.jsonl", out, max_new_tokens=6, batch_size=2)
+    resumed = out.read_text().splitlines()
+    def by_id(lines):
+        return sorted((json.loads(line)["id"], json.loads(line)["response_ids"]) for line in lines)
+
+    assert by_id(resumed) == by_id(full)
+
+
+# -- the loop ---------------------------------------------------------------------------------------------
+
+
+def fixed_loss(trainer: Trainer, batch) -> float:
+    saved = trainer.anchor_generator.get_state()
+    trainer.anchor_generator.manual_seed(123)
+    with torch.no_grad():
+        loss = float(trainer.forward_loss(batch).loss)
+    trainer.anchor_generator.set_state(saved)
+    return loss
+
+
+@pytest.mark.parametrize("distill", [0.0, 0.5])
+def test_training_steps_lower_the_loss(tmp_path, distill):
+    trainer = make_trainer(tmp_path, tiny_target(), tiny_tokenizer(), distill_weight=distill, max_steps=50)
+    batch = trainer.batch([0, 1])
+    before = fixed_loss(trainer, batch)
+    for _ in range(8):
+        trainer.train_step([batch])
+    after = fixed_loss(trainer, batch)
+    assert after < before - 0.05, (before, after)
+    assert not any(p.grad is not None for p in trainer.model.parameters())
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    tok = tiny_tokenizer()
+    # 8 samples, 2 per batch, 2 batches per step: 2 steps an epoch; the crash comes mid epoch 2.
+    run = dict(epochs=3, max_steps=5, grad_accum=2, save_every=1)
+    straight = make_trainer(tmp_path, tiny_target(), tok, out_dir=str(tmp_path / "a"), **run)
+    straight.fit()
+
+    broken = make_trainer(tmp_path, tiny_target(), tok, out_dir=str(tmp_path / "b"), **run)
+    step = broken.train_step
+    calls = []
+
+    def crash_on_fourth(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return step(*args, **kwargs)
+
+    broken.train_step = crash_on_fourth
+    with pytest.raises(KeyboardInterrupt):
+        broken.fit()
+    resumed = make_trainer(tmp_path, tiny_target(), tok, out_dir=str(tmp_path / "b"), resume=True, **run)
+    resumed.resume()
+    assert (resumed.progress.step, resumed.progress.epoch, resumed.progress.batch_in_epoch) == (3, 1, 2)
+    resumed.fit()
+
+    def losses(d):
+        records = map(json.loads, (tmp_path / d / "train_log.jsonl").open())
+        return {r["step"]: r["loss"] for r in records if r["event"] == "train"}
+
+    a, b = losses("a"), losses("b")
+    assert list(b) == [1, 2, 3, 4, 5]  # steps after the checkpoint were logged once, not twice
+    assert a[4] == b[4] and a[5] == b[5]
+    for (name, x), y in zip(straight.drafter.state_dict().items(), resumed.drafter.state_dict().values()):
+        assert torch.equal(x, y), name
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    tok = tiny_tokenizer()
+    make_trainer(tmp_path, tiny_target(), tok, max_steps=2).fit()
+    other = make_trainer(tmp_path, tiny_target(), tok, max_steps=2, lr=1e-3, resume=True)
+    with pytest.raises(Exception, match="lr"):
+        other.resume()
+
+
+def test_config_validation(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"text": "w1"}\n')
+    ok = dict(target=".", data=str(tmp_path / "d.jsonl"), out_dir=str(tmp_path))
+    with pytest.raises(TrainConfigError, match="--block-size"):
+        TrainConfig(**ok, block_size=1)
+    with pytest.raises(TrainConfigError, match="--distill-weight"):
+        TrainConfig(**ok, distill_weight=1.5)
+    with pytest.raises(TrainConfigError, match="--data"):
+        TrainConfig(**{**ok, "data": str(tmp_path / "missing.jsonl")})
+
+
+# -- end to end: CLI, checkpoint format, engine equality --------------------------------------------------
+
+
+def test_cli_train_end_to_end(tmp_path):
+    """Regenerate with a target that counts, train, and the engine accepts most drafts, losslessly."""
+    target_dir = tmp_path / "target"
+    counting_target().save_pretrained(target_dir)
+    tiny_tokenizer().save_pretrained(target_dir)
+    g = torch.Generator().manual_seed(1)
+    for name, num in (("data.jsonl", 256), ("eval.jsonl", 4)):
+        with open(tmp_path / name, "w") as f:
+            for row in progressions(num, 5, g).tolist():
+                f.write(json.dumps({"prompt_ids": row}) + "\n")
+    out = tmp_path / "drafter"
+    rc = cli_main(["train", "--target", str(target_dir), "--data", str(tmp_path / "data.jsonl"), "--out", str(out),
+                   "--regenerate", "--regen-max-new-tokens", "24", "--regen-batch-size", "64",
+                   "--eval-prompts", str(tmp_path / "eval.jsonl"), "--eval-max-new-tokens", "24",
+                   "--block-size", "4", "--target-layer-ids", "0,2", "--batch-size", "8", "--max-length", "32",
+                   "--max-anchors", "8", "--epochs", "4", "--lr", "3e-3", "--device", "cpu"])
+    assert rc == 0
+    assert len((out / "regenerated.jsonl").read_text().splitlines()) == 256
+    for d in (out, out / "epoch-1", out / "epoch-4"):
+        assert load_drafter(d).config.block_size == 4
+    log = [json.loads(line) for line in (out / "train_log.jsonl").open()]
+    assert [r["step"] for r in log if r["event"] == "train"][-1] == 4 * 32
+    taus = [r["tau"] for r in log if r["event"] == "eval"]
+    assert len(taus) == 4 and taus[-1] > 2.5, taus  # block 4: at most 4 tokens per round
+
+    engine = build_engine(target_dir, out, device="cpu", dtype="float32")
+    plain = build_engine(target_dir, None, device="cpu", dtype="float32")
+    for prompt in ([10, 12, 14], [5, 9, 40, 41]):
+        params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+        spec = engine.run(prompt, params)
+        assert spec.token_ids == plain.run(prompt, params).token_ids
+        single = engine.run(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True, block_size=1))
+        assert single.token_ids == spec.token_ids
+    assert spec.stats.tau > 1.0
+
+
+def test_cli_train_offline_features_with_distillation_and_resume_guard(tmp_path, capsys):
+    target_dir = tmp_path / "target"
+    tiny_target().save_pretrained(target_dir)
+    tiny_tokenizer().save_pretrained(target_dir)
+    write_data(tmp_path / "data.jsonl", 4)
+    out = tmp_path / "drafter"
+    args = ["train", "--target", str(target_dir), "--data", str(tmp_path / "data.jsonl"), "--out", str(out),
+            "--offline-features", "--distill-weight", "0.5", "--block-size", "4", "--target-layer-ids", "0,2",
+            "--batch-size", "2", "--max-length", "32", "--max-anchors", "4", "--steps", "2", "--device", "cpu"]
+    assert cli_main(args) == 0
+    assert sorted(p.name for p in (out / "features").iterdir()) == ["meta.json", "shard-00000.safetensors"]
+    assert load_drafter(out).config.target_layer_ids == (0, 2)
+    assert cli_main(args) == 2  # a second fresh run would overwrite the checkpoint
+    assert "--resume" in capsys.readouterr().err
+    assert cli_main(args + ["--resume"]) == 0  # already finished: resumes, saves, exits
+
+
+def test_cli_train_without_mask_token_fails_clearly(tmp_path, capsys):
+    target_dir = tmp_path / "target"
+    tiny_target().save_pretrained(target_dir)
+    tok = tiny_tokenizer()
+    tok.mask_token = None
+    tok.save_pretrained(target_dir)
+    write_data(tmp_path / "data.jsonl", 2)
+    rc = cli_main(["train", "--target", str(target_dir), "--data", str(tmp_path / "data.jsonl"),
+                   "--out", str(tmp_path / "o"), "--device", "cpu"])
+    assert rc == 2
+    assert "--mask-token-id" in capsys.readouterr().err
