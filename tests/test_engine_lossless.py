@@ -155,3 +155,20 @@ def test_context_limit_finishes_with_length():
     assert got.finish_reason == "length"
     assert len(prompt) + len(got.token_ids) == 40
     assert got.token_ids == expected
+
+
+def test_resume_from_committed_tokens_continues_exactly(target, references):
+    """Caches lost mid-request: re-prefill from the committed tokens gives exactly the rest."""
+    for prompt, expected in list(references.items())[:3]:
+        for cut in (1, 7, 20):
+            engine = oracle_engine(target, list(prompt), expected, error_rate=0.2)
+            rest = engine.run(list(prompt), SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))
+            resumed = oracle_engine(target, list(prompt), expected, error_rate=0.2)
+            rounds = list(resumed.generate(list(prompt), SamplingParams(max_new_tokens=N_NEW, ignore_eos=True),
+                                           committed_ids=expected[:cut]))
+            assert [t for r in rounds for t in r.token_ids] == expected[cut:] == rest.token_ids[cut:]
+    prompt = prompts(1, seed=9)[0]
+    params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=11, ignore_eos=True)
+    full = engine_for(target).run(prompt, params).token_ids
+    rest = [t for r in engine_for(target).generate(prompt, params, committed_ids=full[:12]) for t in r.token_ids]
+    assert rest == full[12:]

@@ -51,10 +51,15 @@ class SpeculativeEngine:
     # -- the loop ---------------------------------------------------------------------------------
 
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        committed_ids: list[int] | None = None,
+        seed: int | None = None,
     ) -> Iterator[RoundOutput]:
         """Stream rounds: the prefill round (first token), then one per draft-and-verify round."""
-        gen = self.start(prompt_ids, params, request_id)
+        gen = self.start(prompt_ids, params, request_id, committed_ids, seed)
         try:
             yield self.prefill(gen)
             while not gen.finished:
@@ -63,11 +68,20 @@ class SpeculativeEngine:
             self.release(gen)
 
     def prefill(self, gen: Generation) -> RoundOutput:
+        """Run the prompt through the target and sample the first token.
+
+        A resumed request (output_ids already committed) re-prefills prompt + committed tokens but
+        the last, samples nothing, and yields an empty round: its caches are rebuilt, its text not.
+        """
         t0 = time.perf_counter()
-        out = self.target.forward(gen.prompt_ids, 0, gen.cache, last_only=True)
-        first = sample_tokens(out.logits[-1:], gen.params, gen.seed, len(gen.prompt_ids))
+        resumed = bool(gen.output_ids)
+        seq = gen.prompt_ids + gen.output_ids[:-1]
+        out = self.target.forward(seq, 0, gen.cache, last_only=True)
         if gen.block_size > 1:
             gen.pending_features = out.features
+        if resumed:
+            return RoundOutput([], "", RoundStats(0, 0, 0, 0, 0, 0.0, self._ms_since(t0)), gen.stats, None)
+        first = sample_tokens(out.logits[-1:], gen.params, gen.seed, len(gen.prompt_ids))
         verify_ms = self._ms_since(t0)
         return self._emit(gen, [int(first.item())], RoundStats(0, 0, 0, 1, 0, 0.0, verify_ms))
 
@@ -112,8 +126,19 @@ class SpeculativeEngine:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def start(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Generation:
-        """Validate a request and build its state; raises InvalidRequestError naming the bad field."""
+    def start(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        committed_ids: list[int] | None = None,
+        seed: int | None = None,
+    ) -> Generation:
+        """Validate a request and build its state; raises InvalidRequestError naming the bad field.
+
+        To resume a request whose caches were lost, pass the tokens it already committed and the seed
+        it used: generation continues exactly where it stopped (nothing repeated, nothing lost).
+        """
         prompt_ids = self._check_prompt(prompt_ids)
         block_size = self._check_block_size(params)
         if params.stop and self.tokenizer is None:
@@ -128,9 +153,16 @@ class SpeculativeEngine:
             cache=self.target.new_cache(),
             text=TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None,
         )
-        if params.seed is not None:
-            gen.seed = params.seed
+        if seed is not None or params.seed is not None:
+            gen.seed = seed if seed is not None else params.seed
         gen.stats.prompt_tokens = len(prompt_ids)
+        if committed_ids:
+            if len(committed_ids) >= params.max_new_tokens:
+                raise InvalidRequestError("committed_ids", "the request already has all its tokens")
+            gen.output_ids = [int(t) for t in committed_ids]
+            if gen.text is not None:
+                gen.text.push(gen.output_ids)
+                gen.text.emitted = len(gen.text.text)  # already streamed before the interruption
         return gen
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
