@@ -6,9 +6,9 @@ import argparse
 import sys
 
 from .errors import DFlashError
-from .commands import generate, train
+from .commands import bench, demo, generate, train
 
-COMMANDS = (generate, train)
+COMMANDS = (generate, train, demo, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import DFlashError
+
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -45,6 +47,7 @@ def register(sub) -> None:
     o.add_argument("--log-every", type=int, default=10, help="log line every N steps (default 10)")
     o.add_argument("--seed", type=int, default=0, help="seed for data order, anchors and init (default 0)")
     o.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
+    o.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's; use 1 on a shared machine)")
     o.add_argument("--resume", action="store_true", help="continue from --out/checkpoint (same flags)")
     p.set_defaults(handler=run)
 
@@ -76,6 +79,13 @@ def config_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from ..training.pipeline import train
 
-    out = train(config_from_args(args))
+    config = config_from_args(args)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise DFlashError(f"--threads must be a positive integer, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    out = train(config)
     print(f"drafter saved to {out}; run it with: dflash generate --target {args.target} --drafter {out} \"...\"")
     return 0

@@ -119,7 +119,8 @@ class DFlashConfig:
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         num_target = text.num_hidden_layers
         if target_layer_ids is None:
-            target_layer_ids = default_target_layer_ids(num_target, num_features or min(5, num_target))
+            # The paper spreads n layers over 1 .. L-3; a shallow target has only L-3 distinct layers there.
+            target_layer_ids = default_target_layer_ids(num_target, num_features or min(5, max(1, num_target - 3)))
         heads = text.num_attention_heads
         rope_theta = getattr(text, "rope_theta", None) or (getattr(text, "rope_parameters", None) or {}).get(
             "rope_theta", 10000.0

@@ -23,6 +23,16 @@ class LocalDrafter:
         self.mask_token_id = model.config.mask_token_id
         self.target_layer_ids = model.config.target_layer_ids
         self._caches: dict[str, DraftCache] = {}
+        self._first_positions: dict[str, int] = {}  # sessions whose context does not start at 0
+
+    def open(self, session_id: str, first_position: int) -> None:
+        """Start a session afresh with context beginning at `first_position` instead of 0.
+
+        For a drafter rebuilding a session from a windowed context log: the oldest positions are
+        gone, so the cache holds positions [first_position, ...) at their true RoPE positions.
+        """
+        self._caches[session_id] = DraftCache(len(self.model.layers))
+        self._first_positions[session_id] = first_position
 
     @torch.inference_mode()
     def draft(
@@ -31,16 +41,17 @@ class LocalDrafter:
         cache = self._caches.get(session_id)
         if cache is None:
             cache = self._caches[session_id] = DraftCache(len(self.model.layers))
-        if cache.length != context_start:
+        first = self._first_positions.get(session_id, 0)
+        if first + cache.length != context_start:
             raise DFlashError(
-                f"drafter session {session_id} holds {cache.length} context positions, "
+                f"drafter session {session_id} holds context up to position {first + cache.length}, "
                 f"the call continues from {context_start}; replay the context from position 0"
             )
         device = self.embed_tokens.weight.device
         block = torch.full((1, block_size), self.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = last_token
         start = context_start + context.shape[0]
-        positions = torch.arange(start + block_size, device=device).unsqueeze(0)
+        positions = torch.arange(first, start + block_size, device=device).unsqueeze(0)
         dtype = next(self.model.parameters()).dtype
         hidden = self.model(
             self.embed_tokens(block).to(dtype),
@@ -53,7 +64,9 @@ class LocalDrafter:
 
     def release(self, session_id: str) -> None:
         self._caches.pop(session_id, None)
+        self._first_positions.pop(session_id, None)
 
     def session_length(self, session_id: str) -> int:
+        """The position the session's context reaches (0 for an unknown session)."""
         cache = self._caches.get(session_id)
-        return 0 if cache is None else cache.length
+        return 0 if cache is None else self._first_positions.get(session_id, 0) + cache.length

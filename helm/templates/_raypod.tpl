@@ -1,0 +1,252 @@
+{{/*
+The pieces of a Ray pod (head or worker): environment, volumes, the model init container, the
+Ray container itself. Pass (dict "ctx" $ "role" "head|verifier|drafter").
+*/}}
+
+{{- define "dflash.rayEnv" -}}
+{{- $v := .ctx.Values -}}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+# The drafter's gRPC server listens on, and advertises, this pod's address.
+- name: DFLASH_DRAFTER_NET__HOST
+  value: "$(POD_IP)"
+{{- if eq $v.redis.mode "internal" }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "dflash.redisSecretName" .ctx }}
+      key: {{ $v.redis.auth.key }}
+- name: DFLASH_REDIS__URL
+  value: "redis://:$(REDIS_PASSWORD)@{{ include "dflash.redisName" .ctx }}:6379/0"
+{{- else }}
+- name: DFLASH_REDIS__URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ $v.redis.external.existingSecret }}
+      key: {{ $v.redis.external.key }}
+{{- end }}
+{{- if $v.auth.enabled }}
+- name: DFLASH_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ $v.auth.existingSecret }}
+      key: {{ $v.auth.key }}
+{{- end }}
+{{- if $v.otel.endpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ $v.otel.endpoint | quote }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: {{ $v.otel.protocol | quote }}
+- name: OTEL_TRACES_EXPORTER
+  value: otlp
+- name: OTEL_SERVICE_NAME
+  value: {{ $v.otel.serviceName | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ $v.otel.sampler | quote }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ $v.otel.samplerArg | quote }}
+{{- $attrs := list (printf "k8s.namespace.name=%s" .ctx.Release.Namespace) "k8s.pod.name=$(POD_NAME)" (printf "dflash.role=%s" .role) -}}
+{{- range $k, $val := $v.otel.resourceAttributes }}
+{{- $attrs = append $attrs (printf "%s=%s" $k $val) }}
+{{- end }}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ join "," $attrs | quote }}
+{{- end }}
+# Writable caches under /tmp: the root filesystem is read-only.
+- name: HOME
+  value: /tmp/home
+- name: HF_HOME
+  value: /tmp/hf
+- name: TRITON_CACHE_DIR
+  value: /tmp/triton
+- name: HF_HUB_OFFLINE
+  value: "1"
+{{- end }}
+
+{{- define "dflash.modelVolume" -}}
+{{- $m := .Values.model -}}
+{{- if eq $m.source "hub" }}
+- name: models
+{{- if $m.hub.cacheClaim }}
+  persistentVolumeClaim:
+    claimName: {{ $m.hub.cacheClaim }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ $m.hub.sizeLimit }}
+{{- end }}
+{{- else if eq $m.source "pvc" }}
+- name: models
+  persistentVolumeClaim:
+    claimName: {{ $m.pvc.claimName }}
+    readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "dflash.rayVolumes" -}}
+{{- $v := .ctx.Values -}}
+- name: tmp
+  emptyDir: {}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ if eq .role "head" }}{{ $v.head.shmSize }}{{ else }}{{ (index $v .role).pods.shmSize }}{{ end }}
+{{- if ne .role "head" }}
+{{- include "dflash.modelVolume" .ctx }}
+{{- end }}
+{{- end }}
+
+{{- define "dflash.rayVolumeMounts" -}}
+{{- $v := .ctx.Values -}}
+- name: tmp
+  mountPath: /tmp
+- name: dshm
+  mountPath: /dev/shm
+{{- if and (ne .role "head") (ne $v.model.source "image") }}
+- name: models
+  mountPath: {{ $v.model.mountPath }}
+  readOnly: {{ eq $v.model.source "pvc" }}
+{{- end }}
+{{- end }}
+
+{{/*
+source: hub. Downloads target and drafter into the models volume before Ray starts; a second
+start (cache claim) finds the files and only checks them.
+*/}}
+{{- define "dflash.modelInitContainer" -}}
+{{- $v := .ctx.Values -}}
+{{- $m := $v.model -}}
+- name: fetch-models
+  image: {{ include "dflash.image" .ctx }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  command: ["python", "-c"]
+  args:
+    - |
+      import os
+      from huggingface_hub import snapshot_download
+      root = os.environ["MODEL_ROOT"]
+      for name in ("target", "drafter"):
+          repo = os.environ["MODEL_" + name.upper()]
+          revision = os.environ.get("MODEL_" + name.upper() + "_REVISION") or None
+          print(f"fetching {repo} ({revision or 'default branch'}) into {root}/{name}", flush=True)
+          snapshot_download(repo, revision=revision, local_dir=f"{root}/{name}")
+  env:
+    - name: MODEL_ROOT
+      value: {{ $m.mountPath | quote }}
+    - name: MODEL_TARGET
+      value: {{ $m.hub.target | quote }}
+    - name: MODEL_TARGET_REVISION
+      value: {{ $m.hub.targetRevision | quote }}
+    - name: MODEL_DRAFTER
+      value: {{ $m.hub.drafter | quote }}
+    - name: MODEL_DRAFTER_REVISION
+      value: {{ $m.hub.drafterRevision | quote }}
+    - name: HOME
+      value: /tmp/home
+    - name: HF_HOME
+      value: /tmp/hf
+    {{- if $m.hub.endpoint }}
+    - name: HF_ENDPOINT
+      value: {{ $m.hub.endpoint | quote }}
+    {{- end }}
+    {{- if $m.hub.tokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ $m.hub.tokenSecret.name }}
+          key: {{ $m.hub.tokenSecret.key }}
+    {{- end }}
+  securityContext:
+    {{- include "dflash.containerSecurityContext" (dict "ctx" .ctx "readOnly" true) | nindent 4 }}
+  resources:
+    requests: {cpu: 500m, memory: 1Gi}
+    limits: {cpu: "2", memory: 4Gi}
+  volumeMounts:
+    - name: tmp
+      mountPath: /tmp
+    - name: models
+      mountPath: {{ $m.mountPath }}
+{{- end }}
+
+{{/* The Ray container; Ray's own `ray start` command is added by KubeRay. */}}
+{{- define "dflash.rayContainer" -}}
+{{- $v := .ctx.Values -}}
+- name: {{ if eq .role "head" }}ray-head{{ else }}ray-worker{{ end }}
+  image: {{ include "dflash.image" .ctx }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  ports:
+    {{- if eq .role "head" }}
+    - {name: gcs-server, containerPort: 6379}
+    - {name: dashboard, containerPort: 8265}
+    - {name: client, containerPort: 10001}
+    {{- end }}
+    - {name: serve, containerPort: 8000}
+    - {name: serve-grpc, containerPort: {{ $v.grpc.port }}}
+    - {name: metrics, containerPort: 8080}
+  env:
+    {{- include "dflash.rayEnv" . | nindent 4 }}
+  resources:
+    {{- if eq .role "head" }}
+    {{- toYaml $v.head.resources | nindent 4 }}
+    {{- else }}
+    {{- $pods := (index $v .role).pods }}
+    {{- $res := deepCopy $pods.resources }}
+    {{- if gt (int $pods.gpus) 0 }}
+    {{- $_ := set $res "limits" (merge (dict "nvidia.com/gpu" (int $pods.gpus)) ($res.limits | default dict)) }}
+    {{- $_ := set $res "requests" (merge (dict "nvidia.com/gpu" (int $pods.gpus)) ($res.requests | default dict)) }}
+    {{- end }}
+    {{- toYaml $res | nindent 4 }}
+    {{- end }}
+  securityContext:
+    {{- include "dflash.containerSecurityContext" (dict "ctx" .ctx "readOnly" $v.security.readOnlyRootFilesystem) | nindent 4 }}
+  volumeMounts:
+    {{- include "dflash.rayVolumeMounts" . | nindent 4 }}
+{{- end }}
+
+{{/* The pod template of a Ray group. */}}
+{{- define "dflash.rayPodTemplate" -}}
+{{- $v := .ctx.Values -}}
+{{- $sched := ternary $v.head (index $v .role).pods (eq .role "head") -}}
+metadata:
+  labels:
+    {{- include "dflash.componentLabels" (dict "ctx" .ctx "component" "ray") | nindent 4 }}
+    dflash.dev/role: {{ .role }}
+  {{- with $v.podAnnotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  serviceAccountName: {{ include "dflash.serviceAccountName" .ctx }}
+  automountServiceAccountToken: {{ $v.serviceAccount.automountToken }}
+  {{- with $v.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    {{- include "dflash.podSecurityContext" .ctx | nindent 4 }}
+  {{- if and (ne .role "head") (eq $v.model.source "hub") }}
+  initContainers:
+    {{- include "dflash.modelInitContainer" . | nindent 4 }}
+  {{- end }}
+  containers:
+    {{- include "dflash.rayContainer" . | nindent 4 }}
+  volumes:
+    {{- include "dflash.rayVolumes" . | nindent 4 }}
+  {{- with $sched.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $sched.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $sched.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}

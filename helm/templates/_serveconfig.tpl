@@ -1,0 +1,64 @@
+{{/*
+serveConfigV2: Ray Serve's config file. The application's `args` are the service's own
+configuration tree (dflash.service.config.ServiceConfig.from_dict); secrets and per-pod values are
+not here: they reach each replica as DFLASH_* environment variables (see _raypod.tpl).
+*/}}
+
+{{- define "dflash.modelPaths" -}}
+{{- $m := .Values.model }}
+{{- if eq $m.source "hub" }}
+{{- dict "target" (printf "%s/target" $m.mountPath) "drafter" (printf "%s/drafter" $m.mountPath) | toJson }}
+{{- else if eq $m.source "pvc" }}
+{{- dict "target" (printf "%s/%s" $m.mountPath $m.pvc.target) "drafter" (printf "%s/%s" $m.mountPath $m.pvc.drafter) | toJson }}
+{{- else if $m.image.target }}
+{{- dict "target" $m.image.target "drafter" $m.image.drafter | toJson }}
+{{- else }}
+{{- dict "target" nil "drafter" nil | toJson }}
+{{- end }}
+{{- end }}
+
+{{/* One deployment's options; pass (dict "v" .Values.<role> "gpus" bool) */}}
+{{- define "dflash.deploymentArgs" -}}
+{{- $v := .v }}
+{{- $actor := dict "num_cpus" (float64 $v.cpusPerReplica) }}
+{{- if .gpus }}
+{{- $_ := set $actor "num_gpus" (float64 $v.gpusPerReplica) }}
+{{- end }}
+{{- if .resource }}
+{{- $_ := set $actor "resources" (dict .resource 1.0) }}
+{{- end }}
+{{- $auto := dict "min_replicas" (int $v.autoscaling.minReplicas) "max_replicas" (int $v.autoscaling.maxReplicas) "target_ongoing_requests" (float64 $v.autoscaling.targetOngoingRequests) }}
+{{- dict "autoscaling_config" $auto "ray_actor_options" $actor "max_ongoing_requests" (int $v.maxOngoingRequests) "max_queued_requests" (int $v.maxQueuedRequests) | toJson }}
+{{- end }}
+
+{{- define "dflash.serviceArgs" -}}
+{{- $v := .Values }}
+{{- $paths := include "dflash.modelPaths" . | fromJson }}
+{{- $model := dict "target" $paths.target "drafter" $paths.drafter "device" $v.model.device "dtype" $v.model.dtype "name" $v.model.name }}
+{{- $redis := dict "ttl_s" (int $v.sessions.ttlSeconds) "context_window" (int $v.sessions.contextWindow) "key_prefix" $v.sessions.keyPrefix "socket_timeout_s" (float64 $v.sessions.socketTimeoutSeconds) }}
+{{- $net := dict "port" (int $v.drafter.net.port) "timeout_s" (float64 $v.drafter.net.timeoutSeconds) "retry_after_s" (float64 $v.drafter.net.retryAfterSeconds) "chunk_bytes" (int $v.drafter.net.chunkBytes) "max_sessions" (int $v.drafter.net.maxSessions) }}
+{{- $limits := dict "max_new_tokens" (int $v.limits.maxNewTokens) "max_request_bytes" (int $v.limits.maxRequestBytes) "max_stop_strings" (int $v.limits.maxStopStrings) }}
+{{- $ingress := include "dflash.deploymentArgs" (dict "v" $v.ingress "gpus" false "resource" "") | fromJson }}
+{{- $verifier := include "dflash.deploymentArgs" (dict "v" $v.verifier "gpus" true "resource" $v.verifier.rayResource) | fromJson }}
+{{- $drafter := include "dflash.deploymentArgs" (dict "v" $v.drafter "gpus" true "resource" $v.drafter.rayResource) | fromJson }}
+{{- $args := dict "mode" $v.mode "app_name" $v.appName "grpc_host" "0.0.0.0" "grpc_port" (int $v.grpc.port) "model" $model "redis" $redis }}
+{{- $_ := set $args "ingress" $ingress }}
+{{- $_ := set $args "verifier" $verifier }}
+{{- $_ := set $args "drafter" $drafter }}
+{{- $_ := set $args "drafter_net" $net }}
+{{- $_ := set $args "limits" $limits }}
+{{- $_ := set $args "torch_threads" (int $v.torchThreads) }}
+{{- $_ := set $args "metrics" $v.metrics }}
+{{- toJson $args }}
+{{- end }}
+
+{{- define "dflash.serveConfig" -}}
+{{- $v := .Values }}
+{{- $grpc := dict "port" (int $v.grpc.port) "enable_reflection" $v.grpc.reflection "grpc_servicer_functions" (list "dflash.api.v1.generate_pb2_grpc.add_GenerationServicer_to_server" "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server") }}
+{{- if $v.grpc.requestTimeoutSeconds }}
+{{- $_ := set $grpc "request_timeout_s" (float64 $v.grpc.requestTimeoutSeconds) }}
+{{- end }}
+{{- $app := dict "name" $v.appName "route_prefix" "/" "import_path" "dflash.service.app:build" "args" (include "dflash.serviceArgs" . | fromJson) }}
+{{- $config := dict "proxy_location" "EveryNode" "http_options" (dict "host" "0.0.0.0" "port" 8000) "grpc_options" $grpc "applications" (list $app) }}
+{{- toYaml $config }}
+{{- end }}

@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# Regenerate services/dflash/api/**/_pb2*.py from protos/ (needs grpcio-tools).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec python3 -m dflash.api.generate "$@"

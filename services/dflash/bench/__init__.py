@@ -1,0 +1,1 @@
+"""`dflash bench`: DFlash beside the decoders a user would pick instead, measured in one run."""

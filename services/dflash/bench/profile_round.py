@@ -1,0 +1,199 @@
+"""Where one DFlash round's time goes, measured around the engine's public calls.
+
+The real `engine.step` runs; timers wrap the calls it makes on its parts (the drafter's `draft`,
+the target's `forward` and `crop`, the engine's `commit`) and forward hooks time the networks inside
+them. The pure acceptance functions are timed again on the round's own tensors. What no timer
+covers is Python overhead: statistics, stop handling, text decoding, the loop itself.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ..engine import SpeculativeEngine
+from ..params import SamplingParams
+from ..rounds import accept_length, committed_tokens
+from ..sampling import sample_tokens
+
+PARTS = (
+    ("draft_forward", "draft forward (drafter layers)"),
+    ("draft_head", "draft LM head"),
+    ("draft_io", "draft input/argmax/copy"),
+    ("features", "context-feature transfer (gather, queue)"),
+    ("verify_forward", "verify forward (target, block)"),
+    ("acceptance", "posterior + acceptance"),
+    ("trim", "cache trimming"),
+    ("python", "Python overhead (rest of the round)"),
+)
+
+
+@dataclass(frozen=True)
+class RoundProfile:
+    block_size: int
+    rounds: int  # rounds averaged (the fastest 75% of those run)
+    round_ms: float
+    parts_ms: dict[str, float]  # mean per part; the parts add up to round_ms
+    committed_per_round: float
+    target_step_ms: float | None  # one target-only round (block 1), when a baseline engine was given
+
+    def to_dict(self) -> dict:
+        return {"block_size": self.block_size, "rounds": self.rounds, "round_ms": round(self.round_ms, 3),
+                "parts_ms": {k: round(v, 3) for k, v in self.parts_ms.items()},
+                "committed_per_round": round(self.committed_per_round, 3),
+                "target_step_ms": None if self.target_step_ms is None else round(self.target_step_ms, 3)}
+
+
+class _Timers:
+    """Instance-level timing wrappers and forward hooks, all removed by `close`."""
+
+    def __init__(self):
+        self.acc: dict[str, float] = defaultdict(float)
+        self.phase = None
+        self.last: dict[str, object] = {}  # the latest return value of each wrapped call
+        self._undo = []
+
+    def wrap(self, obj, name: str, key: str, phase: str | None = None) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            outer, t0 = self.phase, time.perf_counter()
+            self.phase = phase or outer
+            try:
+                self.last[key] = result = inner(*args, **kwargs)
+                return result
+            finally:
+                self.acc[key] += time.perf_counter() - t0
+                self.phase = outer
+
+        setattr(obj, name, timed)
+        self._undo.append(lambda: delattr(obj, name))
+
+    def hook(self, module, key: str, only_in: str | None = None) -> None:
+        started = []
+
+        def pre(*_):
+            started.append(time.perf_counter())
+
+        def post(*_):
+            t0 = started.pop()
+            if only_in is None or self.phase == only_in:
+                self.acc[key] += time.perf_counter() - t0
+
+        for handle in (module.register_forward_pre_hook(pre), module.register_forward_hook(post)):
+            self._undo.append(handle.remove)
+
+    def take(self) -> dict[str, float]:
+        out, self.acc = dict(self.acc), defaultdict(float)
+        return out
+
+    def close(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+
+def profile_round(engine: SpeculativeEngine, prompt_ids: list[int], block_size: int, rounds: int = 24,
+                  warmup: int = 3, baseline: SpeculativeEngine | None = None) -> RoundProfile:
+    """Time of each part of `rounds` greedy rounds (after `warmup`) on one prompt; see `_summarize`."""
+    params = SamplingParams(max_new_tokens=(rounds + warmup + 1) * block_size, block_size=block_size,
+                            ignore_eos=True)
+    gen = engine.start(prompt_ids, params)
+    engine.prefill(gen)
+    timers = _Timers()
+    timers.wrap(engine.drafter, "draft", "draft", phase="draft")
+    timers.wrap(engine.target, "forward", "verify", phase="verify")
+    timers.wrap(engine.target, "crop", "trim")
+    timers.wrap(engine, "commit", "commit")
+    timers.hook(engine.target.model, "verify_forward", only_in="verify")
+    if hasattr(engine.drafter, "model"):
+        timers.hook(engine.drafter.model, "draft_forward", only_in="draft")
+        timers.hook(engine.target.lm_head, "draft_head", only_in="draft")
+    samples = []
+    try:
+        for i in range(warmup + rounds):
+            if gen.finished:
+                break
+            position = gen.position
+            t0 = time.perf_counter()
+            out = engine.step(gen)
+            wall = time.perf_counter() - t0
+            acc = timers.take()
+            acc["acceptance"] = _acceptance_seconds(timers.last, gen.params, gen.seed, position + 1)
+            if i >= warmup:
+                samples.append((wall, acc, out.stats.committed))
+    finally:
+        timers.close()
+        engine.release(gen)
+    return _summarize(block_size, samples, _target_step_ms(baseline, prompt_ids, rounds) if baseline else None)
+
+
+def _acceptance_seconds(last: dict, params, seed, position) -> float:
+    """The round's sampling of the posterior and acceptance, timed again on its own tensors."""
+    t0 = time.perf_counter()
+    posterior = sample_tokens(last["verify"].logits, params, seed, position).cpu()
+    draft = last["draft"].to("cpu")
+    committed_tokens(draft, posterior, accept_length(draft, posterior))
+    return time.perf_counter() - t0
+
+
+def _summarize(block_size, samples, target_step_ms) -> RoundProfile:
+    """Mean of each part over the fastest 75% of rounds: parts add up to the round, and a round
+    that a background process interrupted does not count."""
+    kept = sorted(samples, key=lambda s: s[0])[: max(1, (3 * len(samples) + 3) // 4)]
+    parts = defaultdict(list)
+    for wall, acc, _ in kept:
+        p = {
+            "draft_forward": acc.get("draft_forward", 0.0),
+            "draft_head": acc.get("draft_head", 0.0),
+            "verify_forward": acc.get("verify_forward", 0.0),
+            "trim": acc.get("trim", 0.0),
+            "acceptance": acc["acceptance"],
+        }
+        p["draft_io"] = acc.get("draft", 0.0) - p["draft_forward"] - p["draft_head"]
+        # target.forward beyond the network (hidden-state gather) + commit beyond crop (feature queue)
+        p["features"] = (acc.get("verify", 0.0) - p["verify_forward"]) + (acc.get("commit", 0.0) - p["trim"])
+        p["python"] = wall - acc.get("draft", 0.0) - acc.get("verify", 0.0) - acc.get("commit", 0.0) - p["acceptance"]
+        for k, v in p.items():
+            parts[k].append(1000 * v)
+    means = {k: statistics.fmean(parts[k]) for k, _ in PARTS}
+    return RoundProfile(block_size, len(kept), statistics.fmean(1000 * w for w, _, _ in kept), means,
+                        statistics.fmean(c for _, _, c in samples), target_step_ms)
+
+
+def _target_step_ms(baseline: SpeculativeEngine, prompt_ids, rounds) -> float:
+    gen = baseline.start(prompt_ids, SamplingParams(max_new_tokens=rounds + 8, block_size=1, ignore_eos=True))
+    try:
+        baseline.prefill(gen)
+        times = []
+        for _ in range(rounds + 3):
+            if gen.finished:
+                break
+            t0 = time.perf_counter()
+            baseline.step(gen)
+            times.append(1000 * (time.perf_counter() - t0))
+        times = sorted(times[3:] or times)
+        return statistics.fmean(times[: max(1, (3 * len(times) + 3) // 4)])
+    finally:
+        baseline.release(gen)
+
+
+def format_profile(p: RoundProfile, tau: float | None = None) -> str:
+    """The breakdown as a Markdown table, then what it implies."""
+    total = sum(p.parts_ms.values()) or 1.0
+    lines = [f"| part of one round (block {p.block_size}, mean of {p.rounds}) | ms | share |", "|---|---|---|"]
+    for key, label in PARTS:
+        lines.append(f"| {label} | {p.parts_ms[key]:.2f} | {100 * p.parts_ms[key] / total:.0f}% |")
+    lines.append(f"| **round** | **{p.round_ms:.2f}** | |")
+    notes = ["", "The drafter's own cache holds only committed context, so it has nothing to trim."]
+    biggest = max(PARTS, key=lambda kv: p.parts_ms[kv[0]])
+    notes.append(f"Largest part: {biggest[1]} ({100 * p.parts_ms[biggest[0]] / total:.0f}% of the round).")
+    if p.target_step_ms:
+        rel = p.round_ms / p.target_step_ms
+        notes.append(f"A target-only round costs {p.target_step_ms:.2f} ms; a DFlash round costs {rel:.2f}x that, "
+                     f"so speedup = tau / {rel:.2f}" + (f" = {tau / rel:.2f}x at the measured tau {tau:.2f}." if tau else "."))
+        if tau:
+            notes.append(f"For a 3x speedup at tau {tau:.2f}, the round must cost at most {tau / 3:.2f}x a target step.")
+    return "\n".join(lines + notes)

@@ -1,0 +1,201 @@
+"""`dflash bench`: DFlash beside what a user would pick instead, measured in one run on the same prompts.
+
+Three modes: the comparison (default; ends with a profile of one round), `--profile` (the profile
+alone) and `--load N` (N concurrent streaming clients against a running service).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..defaults import DEMO_AR_DRAFT
+from ..errors import DFlashError
+from .generate import add_model_args, model_dirs
+
+METHODS = ("target", "hf", "assisted", "lookup", "dflash16", "dflash8", "service")
+REFERENCE = "target only (engine, block 1)"
+
+
+@dataclass(frozen=True)
+class BenchArgs:
+    """The run's settings, resolved once from the command line (`--quick` applied)."""
+
+    num_prompts: int
+    max_new_tokens: int
+    temperatures: tuple[float, ...]
+    methods: tuple[str, ...]
+    profile_rounds: int
+    duration_s: float
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark DFlash against other decoders (same run, same prompts)",
+                       description="Decode the same prompts with every method, interleaved; print a Markdown table "
+                                   "and write JSON, results.md and PNG plots. With no --target: the demo pair.")
+    add_model_args(p)
+    p.add_argument("--ar-draft", help="autoregressive draft model for transformers assisted generation "
+                                      "(default with the demo pair: its same-budget AR draft)")
+    p.add_argument("--prompts", type=Path, help="JSONL file, one {\"prompt\": ...} per line (default: held-out stdlib prompts)")
+    p.add_argument("--num-prompts", type=int, help="prompts to use (default 24; --quick 4)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens per prompt (default 128; --quick 64)")
+    p.add_argument("--temperatures", default="0,1", help="comma-separated (default 0,1); 0 is greedy")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--service", metavar="HOST:PORT", help="a running `dflash serve` for the service method and --load")
+    p.add_argument("--assist-tokens", type=int, help="draft tokens per assisted round (default: transformers' own schedule)")
+    p.add_argument("--lookup-tokens", type=int, default=10, help="prompt-lookup tokens per round (default 10)")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default bench-results)")
+    p.add_argument("--quick", action="store_true", help="a few prompts and tokens: a few minutes on a laptop CPU")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0, help="which held-out prompts (default 0)")
+    p.add_argument("--no-profile", action="store_true", help="skip the profile of one round")
+    p.add_argument("--profile", action="store_true", help="only profile one DFlash round and print the breakdown")
+    p.add_argument("--load", type=int, metavar="N", help="load mode: N concurrent streaming clients against --service")
+    p.add_argument("--duration", type=float, help="load mode: seconds (default 60; --quick 15)")
+    p.set_defaults(handler=run)
+
+
+def resolve(args: argparse.Namespace) -> BenchArgs:
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise DFlashError(f"--methods: unknown {sorted(unknown)}; choose from {','.join(METHODS)}")
+    try:
+        temperatures = tuple(float(t) for t in args.temperatures.split(","))
+    except ValueError:
+        raise DFlashError(f"--temperatures: expected numbers like 0,1, got {args.temperatures!r}") from None
+    return BenchArgs(
+        num_prompts=args.num_prompts or (4 if args.quick else 24),
+        max_new_tokens=args.max_new_tokens or (64 if args.quick else 128),
+        temperatures=temperatures,
+        methods=methods,
+        profile_rounds=12 if args.quick else 32,
+        duration_s=args.duration or (15.0 if args.quick else 60.0),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = resolve(args)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.load:
+        return run_load_mode(args, settings)
+    return run_compare(args, settings)
+
+
+def read_prompts(args: argparse.Namespace, n: int) -> list[str]:
+    if args.prompts is None:
+        from ..demo.corpus import heldout_prompts
+
+        return heldout_prompts(n, seed=args.seed)
+    try:
+        records = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DFlashError(f"--prompts {args.prompts}: {exc}") from None
+    prompts = [r.get("prompt", r.get("text")) if isinstance(r, dict) else r for r in records]
+    if not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise DFlashError(f"--prompts {args.prompts}: every line must be a JSON object with a non-empty \"prompt\"")
+    return prompts[:n]
+
+
+def run_compare(args: argparse.Namespace, settings: BenchArgs) -> int:
+    from ..bench.methods import build_methods
+    from ..bench.report import machine, markdown_table, summarize, write_outputs
+    from ..bench.runner import BenchSettings, run_bench
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # transformers' deprecation chatter would break up the progress bar
+
+    target, drafter = model_dirs(args)
+    ar_draft = args.ar_draft or (DEMO_AR_DRAFT if args.target is None else None)
+    engine, baseline, ar_model = load_models(target, drafter, ar_draft, args)
+    prompts = [engine.encode(p) for p in read_prompts(args, settings.num_prompts)]
+    methods, unavailable = build_methods(settings.methods, engine, baseline, ar_model, args.service,
+                                         args.assist_tokens, args.lookup_tokens)
+    if args.profile:
+        print(profile_text(engine, baseline, prompts[0], settings, None))
+        return 0
+    bench = run_bench(methods, prompts, BenchSettings(settings.max_new_tokens, settings.temperatures))
+    rows = summarize(bench, REFERENCE, unavailable)
+    print(markdown_table(rows))
+    profile = None if args.no_profile or engine.drafter is None else profile_text(
+        engine, baseline, prompts[0], settings, _tau(rows, engine.drafter.block_size))
+    if profile:
+        print("\n" + profile)
+    meta = {"command": command_line(args), "machine": machine(), "models": {"target": str(target), "drafter": str(drafter), "ar_draft": str(ar_draft)},
+            "settings": settings.__dict__, "prompts": len(prompts), "profile": profile}
+    paths = write_outputs(args.out, rows, meta, profile)
+    print("\nwrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The `dflash bench ...` command that reproduces this run (options that differ from the defaults)."""
+    from ..cli import build_parser
+
+    defaults = vars(build_parser().parse_args(["bench"]))
+    words = ["dflash", "bench"]
+    for key, value in vars(args).items():
+        if key in ("handler", "command") or value == defaults.get(key):
+            continue
+        words.append("--" + key.replace("_", "-"))
+        if value is not True:
+            words.append(str(value))
+    return shlex.join(words)
+
+
+def load_models(target, drafter, ar_draft, args):
+    """The DFlash engine, a target-only engine sharing its model, and the AR draft model (or a reason)."""
+    from ..engine import SpeculativeEngine
+    from ..loading import build_engine, load_target, resolve_device
+    from ..target import TargetModel
+
+    engine = build_engine(target, drafter, device=args.device, dtype=args.dtype)
+    if engine.tokenizer is None:
+        raise DFlashError(f"the target '{target}' has no tokenizer; dflash bench needs one to encode prompts")
+    model = engine.target.model
+    baseline = SpeculativeEngine(TargetModel(model), None, engine.tokenizer, engine.eos_token_ids)
+    if ar_draft is None:
+        ar_model = "no autoregressive draft model given (--ar-draft DIR)"
+    elif not (Path(ar_draft) / "config.json").is_file():
+        ar_model = f"no autoregressive draft model at {ar_draft} (build the demo assets or pass --ar-draft)"
+    else:
+        ar_model, _ = load_target(ar_draft, resolve_device(args.device), model.dtype)
+    return engine, baseline, ar_model
+
+
+def _tau(rows, block_size) -> float | None:
+    for r in rows:
+        if r["method"] == f"DFlash block {block_size}" and r["temperature"] == 0.0 and "unavailable" not in r:
+            return r["tau"]
+    return None
+
+
+def profile_text(engine, baseline, prompt_ids, settings: BenchArgs, tau) -> str:
+    from ..bench.profile_round import format_profile, profile_round
+
+    if engine.drafter is None:
+        raise DFlashError("--profile needs a drafter")
+    p = profile_round(engine, prompt_ids, engine.drafter.block_size, settings.profile_rounds, baseline=baseline)
+    return format_profile(p, tau)
+
+
+def run_load_mode(args: argparse.Namespace, settings: BenchArgs) -> int:
+    from ..bench.load import LoadSettings, format_load, run_load
+
+    if not args.service:
+        raise DFlashError("--load needs --service HOST:PORT of a running `dflash serve`")
+    load = LoadSettings(args.service, args.load, settings.duration_s, settings.max_new_tokens,
+                        settings.temperatures[0])
+    result = run_load(load, read_prompts(args, settings.num_prompts))
+    print(format_load(result))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "load.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out / 'load.json'}", file=sys.stderr)
+    return 0

@@ -1,0 +1,64 @@
+"""Acceptance length of the demo pair on held-out modules, beside the same-budget autoregressive draft.
+
+tau is committed tokens per target verify forward (bonus included). For DFlash it comes from the
+engine's own statistics; for the autoregressive draft model it comes from transformers' assisted
+generation, counting the target's forward passes with a hook (in assisted decoding every pass,
+the first included, verifies one drafted run of tokens and commits the accepted ones plus one).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from ..loading import build_engine
+from ..params import SamplingParams
+
+SEEDS_PER_PROMPT = 1
+
+
+def dflash_tau(target_dir, drafter_dir, prompts: list[str], block_size: int, temperature: float,
+               max_new_tokens: int) -> dict:
+    engine = build_engine(target_dir, drafter_dir, device="cpu", dtype="float32")
+    rounds = committed = 0
+    hist: dict[int, int] = {}
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=i,
+                                block_size=block_size)
+        stats = engine.run(engine.encode(prompt), params).stats
+        rounds += stats.rounds
+        for k, n in stats.acceptance_histogram.items():
+            hist[k] = hist.get(k, 0) + n
+            committed += k * n
+    return {"method": "dflash", "block_size": block_size, "temperature": temperature,
+            "tau": round(committed / max(rounds, 1), 3), "rounds": rounds,
+            "acceptance_histogram": {str(k): v for k, v in sorted(hist.items())}}
+
+
+@torch.inference_mode()
+def assisted_tau(target_dir, draft_dir, tokenizer, prompts: list[str], num_assistant_tokens: int,
+                 temperature: float, max_new_tokens: int) -> dict:
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+    calls = [0]
+    hook = target.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    verify_passes = generated = 0
+    try:
+        for i, prompt in enumerate(prompts):
+            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+            calls[0] = 0
+            torch.manual_seed(i)
+            out = target.generate(
+                **ids, assistant_model=draft, max_new_tokens=max_new_tokens,
+                do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
+                top_k=0 if temperature > 0 else None, top_p=None,
+                num_assistant_tokens=num_assistant_tokens, num_assistant_tokens_schedule="constant",
+                assistant_confidence_threshold=0.0, pad_token_id=tokenizer.pad_token_id,
+            )
+            generated += out.shape[1] - ids["input_ids"].shape[1]
+            verify_passes += calls[0]
+    finally:
+        hook.remove()
+    return {"method": "autoregressive-draft (transformers assisted generation)",
+            "block_size": num_assistant_tokens + 1, "temperature": temperature,
+            "tau": round(generated / max(verify_passes, 1), 3), "rounds": verify_passes}

@@ -1,0 +1,145 @@
+"""The Ray Serve application: gRPC ingress -> verifier deployment -> drafter deployment (disaggregated).
+
+`build(args)` is the application builder the Helm chart's serveConfigV2 points at
+(`import_path: dflash.service.app:build`, `args:` = the ServiceConfig tree). The public gRPC port is
+Ray Serve's gRPC proxy, started with `grpc_options()`; the ingress deployment implements
+dflash.v1.Generation and grpc.health.v1.Health (reflection is the proxy's own).
+Drafter replicas serve the internal Drafter API on their own ports and advertise them in Redis.
+"""
+
+from __future__ import annotations
+
+import grpc
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from .config import ConfigError, ServiceConfig
+from .ingress import Ingress, Rejected
+from .messages import StreamError
+from .metrics import ServiceMetrics
+from .session_store import open_store
+
+SERVICERS = (
+    "dflash.api.v1.generate_pb2_grpc.add_GenerationServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+)
+
+
+def _store(config: ServiceConfig):
+    if not config.redis.url:
+        raise ConfigError("redis.url: must be set for the Serve application (`dflash serve` sets it)")
+    return open_store(config.redis.url, config.redis.ttl_s, config.redis.key_prefix, config.redis.socket_timeout_s)
+
+
+def _setup(config: ServiceConfig, service: str):
+    from . import tracing
+
+    tracing.setup_tracing(service)
+    return ServiceMetrics(config.metrics)
+
+
+@serve.deployment(name="ingress")
+class IngressDeployment:
+    """dflash.v1.Generation and grpc.health.v1.Health on Ray Serve's gRPC proxy. No torch here."""
+
+    def __init__(self, verifier: DeploymentHandle, config: dict):
+        self.config = ServiceConfig.from_dict(config)
+        self.ingress = Ingress(self.config, _setup(self.config, "dflash-ingress"))
+        self.verifier = verifier
+        self.store = _store(self.config)
+
+    async def Generate(self, request, grpc_context):
+        metadata = {k: v for k, v in grpc_context.invocation_metadata() if isinstance(v, str)}
+        try:
+            async for chunk in self.ingress.generate(request, metadata, self._open_stream):
+                yield chunk
+        except Rejected as exc:
+            grpc_context.set_code(getattr(grpc.StatusCode, exc.code))
+            grpc_context.set_details(exc.message)
+            raise
+
+    async def _open_stream(self, verify, carrier):
+        try:
+            async for item in self.verifier.options(stream=True).stream.remote(verify, carrier):
+                yield item
+        except BackPressureError:
+            yield StreamError("RESOURCE_EXHAUSTED", "server: too many requests in flight; retry with backoff")
+
+    def Check(self, request, grpc_context):
+        from grpc_health.v1 import health_pb2
+
+        try:
+            self.store.ping()
+            status = health_pb2.HealthCheckResponse.SERVING
+        except Exception:  # the store is down: alive, but not ready to serve
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request, grpc_context):
+        yield self.Check(request, grpc_context)
+
+
+@serve.deployment(name="verifier")
+class VerifierDeployment:
+    """Owns the target; runs the engine's loop for each Generate in its own thread."""
+
+    def __init__(self, config: dict, drafters: DeploymentHandle | None = None):
+        from .parts import build_verifier_engine, set_threads
+        from .verifier import Verifier
+
+        cfg = ServiceConfig.from_dict(config)
+        set_threads(cfg)
+        metrics = _setup(cfg, "dflash-verifier")
+        store = _store(cfg)
+        self.verifier = Verifier(build_verifier_engine(cfg, store, metrics), store, cfg.model_name, metrics)
+        self.drafters = drafters  # holds the drafter deployment in the application graph
+
+    async def stream(self, verify, carrier):
+        from .async_stream import iterate_in_thread
+
+        async for item in iterate_in_thread(lambda cancelled: self.verifier.stream(verify, carrier, cancelled)):
+            yield item
+
+
+@serve.deployment(name="drafter")
+class DrafterDeployment:
+    """Owns a DFlash drafter (+ the target's embedding and LM head); serves the internal Drafter API."""
+
+    def __init__(self, config: dict):
+        from .drafter_server import DrafterServer
+        from .parts import build_draft_sessions, set_threads
+
+        cfg = ServiceConfig.from_dict(config)
+        set_threads(cfg)
+        _setup(cfg, "dflash-drafter")
+        store = _store(cfg)
+        net = cfg.drafter_net
+        self.server = DrafterServer(build_draft_sessions(cfg, store), store, net.host, net.port).start()
+
+    def address(self) -> str:
+        return self.server.address
+
+    def __del__(self):
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.stop()
+
+
+def build(args: dict | None = None):
+    """The application for a ServiceConfig tree (Serve's builder: `import_path: dflash.service.app:build`)."""
+    config = ServiceConfig.from_dict(args or {})
+    if config.mode == "disaggregated" and config.redis.url.startswith("memory://"):
+        raise ConfigError("redis.url: the disaggregated mode needs Redis; the in-process store is one process only")
+    tree = config.to_dict()
+    drafters = None
+    if config.mode == "disaggregated":
+        drafters = DrafterDeployment.options(**config.drafter.serve_options()).bind(tree)
+    verifier = VerifierDeployment.options(**config.verifier.serve_options()).bind(tree, drafters)
+    return IngressDeployment.options(**config.ingress.serve_options()).bind(verifier, tree)
+
+
+def grpc_options(config: ServiceConfig):
+    from ray.serve.config import gRPCOptions
+
+    return gRPCOptions(port=config.grpc_port, grpc_servicer_functions=list(SERVICERS))

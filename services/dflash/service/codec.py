@@ -1,0 +1,98 @@
+"""The wire format of tensors: `{dtype, shape, data}` with raw little-endian bytes, sliced into chunks.
+
+The only module that turns tensors into bytes and back, for gRPC messages and the Redis context log.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from ..api.internal.v1 import drafter_pb2
+from ..errors import DFlashError
+
+DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
+}
+NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class CodecError(DFlashError):
+    """Bytes that do not describe the tensor they claim to."""
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def to_proto(tensor: torch.Tensor) -> drafter_pb2.Tensor:
+    if tensor.dtype not in NAMES:
+        raise CodecError(f"dtype {tensor.dtype} has no wire name")
+    return drafter_pb2.Tensor(dtype=NAMES[tensor.dtype], shape=list(tensor.shape), data=tensor_bytes(tensor))
+
+
+def from_parts(dtype: str, shape: Iterable[int], data: bytes) -> torch.Tensor:
+    if dtype not in DTYPES:
+        raise CodecError(f"unknown tensor dtype {dtype!r}; known: {', '.join(DTYPES)}")
+    shape = tuple(int(s) for s in shape)
+    kind = DTYPES[dtype]
+    expected = kind.itemsize
+    for s in shape:
+        expected *= s
+    if len(data) != expected:
+        raise CodecError(f"tensor {dtype}{list(shape)} needs {expected} bytes, got {len(data)}")
+    if not data:
+        return torch.empty(shape, dtype=kind)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(kind).reshape(shape)
+
+
+def from_proto(message: drafter_pb2.Tensor) -> torch.Tensor:
+    return from_parts(message.dtype, message.shape, message.data)
+
+
+def draft_request_chunks(
+    session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int, chunk_bytes: int
+) -> Iterator[drafter_pb2.DraftRequestChunk]:
+    """The Draft call's client stream: header + dtype/shape first, the context's bytes in slices."""
+    data = tensor_bytes(context)
+    head = drafter_pb2.DraftRequestChunk(
+        session_id=session_id, context_start=context_start, last_token=last_token, block_size=block_size,
+        context=drafter_pb2.Tensor(dtype=NAMES[context.dtype], shape=list(context.shape), data=data[:chunk_bytes]),
+    )
+    yield head
+    for offset in range(chunk_bytes, len(data), chunk_bytes):
+        yield drafter_pb2.DraftRequestChunk(context=drafter_pb2.Tensor(data=data[offset : offset + chunk_bytes]))
+
+
+def join_draft_request(chunks: Iterable[drafter_pb2.DraftRequestChunk]) -> tuple[drafter_pb2.DraftRequestChunk, torch.Tensor]:
+    """Reassemble a Draft call: (the header chunk, the context tensor)."""
+    head, parts = None, []
+    for chunk in chunks:
+        if head is None:
+            head = chunk
+        parts.append(chunk.context.data)
+    if head is None:
+        raise CodecError("empty Draft stream")
+    return head, from_parts(head.context.dtype, head.context.shape, b"".join(parts))
+
+
+# -- the context log: one Redis list entry per appended slice of features -----------------------------
+
+_ENTRY = struct.Struct("<QI16s")  # start position, number of rows, dtype name
+
+
+def pack_log_entry(start: int, features: torch.Tensor) -> bytes:
+    """[start, rows, dtype, shape[1], data]; rows of the same session share their width."""
+    name = NAMES[features.dtype].encode()
+    width = struct.pack("<I", features.shape[1] if features.dim() == 2 else 0)
+    return _ENTRY.pack(start, features.shape[0], name) + width + tensor_bytes(features)
+
+
+def unpack_log_entry(entry: bytes) -> tuple[int, torch.Tensor]:
+    start, rows, name = _ENTRY.unpack_from(entry)
+    (width,) = struct.unpack_from("<I", entry, _ENTRY.size)
+    data = entry[_ENTRY.size + 4 :]
+    return start, from_parts(name.rstrip(b"\0").decode(), (rows, width), data)

@@ -1,0 +1,230 @@
+"""Service configuration: frozen dataclasses built once at the edge from YAML, environment and flags.
+
+One source for `dflash serve`, the Ray Serve application builder and the Helm chart: the chart renders
+the same tree (as `args` of the Serve application in `serveConfigV2`), and `ServiceConfig.from_dict`
+loads it. Precedence: defaults < YAML file < `DFLASH_*` environment variables < explicit overrides.
+Environment keys use `__` between levels: `DFLASH_REDIS__URL=redis://r:6379/0`,
+`DFLASH_VERIFIER__MAX_ONGOING_REQUESTS=8`. Unknown keys are errors that name the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import DFlashError
+
+MODES = ("colocated", "disaggregated")
+
+
+class ConfigError(DFlashError):
+    """A configuration key is unknown or has a bad value; the message names it."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Where the models come from; None target means the built-in demo pair."""
+
+    target: str | None = None
+    drafter: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    name: str = ""  # reported as gen_ai.request.model; defaults to the target path's last part
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    """The session store. url "" starts a local redis-server (or an in-process store when none is installed)."""
+
+    url: str = ""
+    ttl_s: int = 3600
+    context_window: int = 4096  # drafter context log: most recent positions kept per session (0: all)
+    key_prefix: str = "dflash"
+    socket_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    """One Ray Serve deployment: replicas (or autoscaling), resources, admission limits."""
+
+    num_replicas: int = 1
+    autoscaling_config: dict | None = None  # Ray Serve's autoscaling_config; replaces num_replicas
+    ray_actor_options: dict = field(default_factory=lambda: {"num_cpus": 0.5})
+    max_ongoing_requests: int = 8
+    max_queued_requests: int = 16
+
+    def serve_options(self) -> dict:
+        """Keyword arguments for `Deployment.options`."""
+        options = {
+            "ray_actor_options": dict(self.ray_actor_options),
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
+        }
+        if self.autoscaling_config:
+            options["autoscaling_config"] = dict(self.autoscaling_config)
+        else:
+            options["num_replicas"] = self.num_replicas
+        return options
+
+
+@dataclass(frozen=True)
+class DrafterNetConfig:
+    """How the verifier reaches drafter replicas over gRPC."""
+
+    host: str = "127.0.0.1"  # the address a drafter replica listens on and advertises
+    port: int = 0  # 0: a free port per replica
+    timeout_s: float = 10.0
+    retry_after_s: float = 2.0  # a failed replica is skipped this long before it is tried again
+    chunk_bytes: int = 1 << 20  # context tensors travel in slices of this size
+    max_sessions: int = 256  # hot draft caches per replica (least recently used evicted)
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Request limits checked by the ingress."""
+
+    max_new_tokens: int = 4096
+    max_request_bytes: int = 1 << 20
+    max_stop_strings: int = 16
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Everything `dflash serve` and the Ray Serve application need."""
+
+    mode: str = "colocated"
+    app_name: str = "dflash"
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = 9000
+    auth_token: str = ""  # non-empty: clients must send `authorization: Bearer <token>`
+    model: ModelConfig = field(default_factory=ModelConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    ingress: DeploymentConfig = field(default_factory=lambda: DeploymentConfig(ray_actor_options={"num_cpus": 0.1}))
+    verifier: DeploymentConfig = field(default_factory=DeploymentConfig)
+    drafter: DeploymentConfig = field(default_factory=DeploymentConfig)
+    drafter_net: DrafterNetConfig = field(default_factory=DrafterNetConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    torch_threads: int = 0  # per replica; 0 leaves torch's default
+    metrics: str = "ray"  # "ray" (exported by Ray's Prometheus endpoint), "prometheus" (own registry), "none"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode: must be one of {MODES}, got {self.mode!r}")
+        if not 0 <= self.grpc_port < 65536:
+            raise ConfigError(f"grpc_port: must be a port number, got {self.grpc_port}")
+        if self.metrics not in ("ray", "prometheus", "none"):
+            raise ConfigError(f"metrics: must be ray, prometheus or none, got {self.metrics!r}")
+        if self.redis.ttl_s <= 0:
+            raise ConfigError(f"redis.ttl_s: must be positive, got {self.redis.ttl_s}")
+        if self.redis.context_window < 0:
+            raise ConfigError(f"redis.context_window: must be >= 0, got {self.redis.context_window}")
+        for name in ("ingress", "verifier", "drafter"):
+            dep = getattr(self, name)
+            if dep.num_replicas < 1 or dep.max_ongoing_requests < 1:
+                raise ConfigError(f"{name}: num_replicas and max_ongoing_requests must be >= 1")
+        if self.limits.max_new_tokens < 1:
+            raise ConfigError("limits.max_new_tokens: must be >= 1")
+
+    @property
+    def model_name(self) -> str:
+        return self.model.name or (Path(self.model.target).name if self.model.target else "dflash-demo")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> "ServiceConfig":
+        """Build from a nested mapping (YAML, Serve `args`); unknown keys raise ConfigError naming them."""
+        return _build(cls, raw or {}, "")
+
+
+def load_config(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ServiceConfig:
+    """defaults < YAML file < DFLASH_* environment < overrides (dotted keys, e.g. {"redis.url": ...})."""
+    tree: dict = {}
+    if path is not None:
+        tree = _read_yaml(Path(path))
+    for key, value in _env_items(os.environ if env is None else env):
+        _set_dotted(tree, key, value)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(tree, key, value)
+    return ServiceConfig.from_dict(tree)
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping")
+    return data
+
+
+def _env_items(env: Mapping[str, str]):
+    for name, value in env.items():
+        if name.startswith("DFLASH_") and name not in ("DFLASH_CONFIG",):
+            yield name[len("DFLASH_"):].lower().replace("__", "."), _parse_scalar(value)
+
+
+def _parse_scalar(text: str) -> Any:
+    """Environment values are JSON when they parse as JSON (numbers, booleans, objects), else strings."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+    node[leaf] = value
+
+
+def _build(cls, raw: Mapping[str, Any], prefix: str):
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: must be a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown configuration key (known: {', '.join(fields)})")
+    kwargs = {}
+    for name, value in raw.items():
+        kind = fields[name].type
+        sub = _SECTIONS.get(kind)
+        kwargs[name] = _build(sub, value, f"{prefix}{name}.") if sub else _coerce(f"{prefix}{name}", kind, value)
+    return cls(**kwargs)
+
+
+def _coerce(name: str, kind: str, value: Any) -> Any:
+    expected = {"int": int, "float": (int, float), "str": str, "dict | None": (dict, type(None)),
+                "dict": dict, "str | None": (str, type(None))}.get(kind)
+    if expected is None:
+        return value
+    if isinstance(value, bool) and kind in ("int", "float") or not isinstance(value, expected):
+        raise ConfigError(f"{name}: expected {kind}, got {value!r}")
+    return float(value) if kind == "float" else value
+
+
+_SECTIONS = {
+    "ModelConfig": ModelConfig,
+    "RedisConfig": RedisConfig,
+    "DeploymentConfig": DeploymentConfig,
+    "DrafterNetConfig": DrafterNetConfig,
+    "LimitsConfig": LimitsConfig,
+}

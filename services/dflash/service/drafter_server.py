@@ -1,0 +1,160 @@
+"""A drafter replica: the DFlash drafter (with the target's embedding and LM head) behind gRPC.
+
+Hot sessions keep their draft cache in memory. A call that does not continue a cached session (a new
+replica, a session moved here after a failure, an evicted cache) rebuilds it from the session's
+context log in the store: the log holds the target features of committed positions, so the rebuilt
+cache sees the same context (the most recent `context_window` positions of it) as the lost one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent import futures
+
+import grpc
+import torch
+from opentelemetry import trace
+
+from ..api.internal.v1 import drafter_pb2, drafter_pb2_grpc
+from ..drafter.local import LocalDrafter
+from ..errors import DFlashError
+from . import codec, tracing
+from .session_store import SessionStore
+
+
+class DraftSessions:
+    """The replica's drafting state: a LocalDrafter plus least-recently-used eviction and rebuilds."""
+
+    def __init__(self, drafter: LocalDrafter, store: SessionStore, max_sessions: int = 256):
+        self.drafter = drafter
+        self.store = store
+        self.max_sessions = max_sessions
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()  # one forward at a time: the model is shared
+
+    def draft(self, session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int):
+        """Returns (draft ids [block_size - 1], rebuilt)."""
+        if not 1 < block_size <= self.drafter.block_size:
+            raise DFlashError(f"block_size: {block_size} outside [2, {self.drafter.block_size}]")
+        with self._lock:
+            rebuilt = False
+            if context_start == 0:
+                self.drafter.release(session_id)
+            elif self.drafter.session_length(session_id) != context_start:
+                context, context_start = self._rebuild(session_id, context, context_start)
+                rebuilt = True
+            self._touch(session_id)
+            return self.drafter.draft(session_id, context, context_start, last_token, block_size), rebuilt
+
+    def _rebuild(self, session_id: str, context: torch.Tensor, context_start: int):
+        """Context from the log, contiguous up to context_start, followed by this call's context."""
+        entries = [codec.unpack_log_entry(e) for e in self.store.context_log(session_id)]
+        rows, expected = [], context_start
+        for start, features in reversed(entries):  # newest first, walking back while contiguous
+            end = start + features.shape[0]
+            if end <= context_start and end == expected:
+                rows.append(features)
+                expected = start
+            elif start < expected:
+                break
+        if not rows:
+            raise DFlashError(
+                f"session {session_id}: the context log does not reach position {context_start}; "
+                "the verifier restarts the session's draft context"
+            )
+        rows.reverse()
+        self.drafter.release(session_id)
+        self.drafter.open(session_id, expected)
+        prefix = torch.cat(rows).to(context.dtype)
+        return torch.cat([prefix, context]), expected
+
+    def release(self, session_id: str) -> None:
+        with self._lock:
+            self.drafter.release(session_id)
+            self._recent.pop(session_id, None)
+
+    def _touch(self, session_id: str) -> None:
+        self._recent[session_id] = None
+        self._recent.move_to_end(session_id)
+        while len(self._recent) > self.max_sessions:
+            old, _ = self._recent.popitem(last=False)
+            self.drafter.release(old)
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    """The internal Drafter gRPC service of one replica."""
+
+    def __init__(self, sessions: DraftSessions, replica: str):
+        self.sessions = sessions
+        self.replica = replica
+
+    def Draft(self, request_iterator, context):
+        head, features = codec.join_draft_request(request_iterator)
+        parent = tracing.context_from(context.invocation_metadata())
+        with tracing.tracer().start_as_current_span("dflash.draft", context=parent, kind=trace.SpanKind.SERVER) as span:
+            span.set_attributes({"dflash.session_id": head.session_id, "dflash.drafter.replica": self.replica,
+                                 "dflash.context_rows": features.shape[0], "dflash.context_start": head.context_start})
+            t0 = time.perf_counter()
+            try:
+                draft, rebuilt = self.sessions.draft(
+                    head.session_id, features, head.context_start, head.last_token, head.block_size
+                )
+            except DFlashError as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            span.set_attribute("dflash.drafter.rebuilt", rebuilt)
+            return drafter_pb2.DraftReply(
+                draft_token_ids=draft.tolist(), replica=self.replica, rebuilt=rebuilt,
+                draft_ms=(time.perf_counter() - t0) * 1000,
+            )
+
+    def Release(self, request, context):
+        self.sessions.release(request.session_id)
+        return drafter_pb2.ReleaseReply()
+
+    def Describe(self, request, context):
+        d = self.sessions.drafter
+        return drafter_pb2.DrafterInfo(
+            replica=self.replica, block_size=d.block_size, mask_token_id=d.mask_token_id,
+            target_layer_ids=list(d.target_layer_ids),
+        )
+
+
+class DrafterServer:
+    """Serves a DraftSessions on host:port and advertises the address in the store while alive."""
+
+    def __init__(self, sessions: DraftSessions, store: SessionStore, host: str = "127.0.0.1", port: int = 0,
+                 advertise_every_s: float = 1.0, workers: int = 4):
+        self.store = store
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers),
+            options=[("grpc.max_receive_message_length", 64 << 20)],
+        )
+        bound = self.server.add_insecure_port(f"{host}:{port}")
+        self.address = f"{host}:{bound}"
+        drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(sessions, self.address), self.server)
+        self.advertise_every_s = advertise_every_s
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._advertise, daemon=True, name="drafter-advertise")
+
+    def start(self) -> "DrafterServer":
+        self.server.start()
+        self._heartbeat.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.store.withdraw_drafter(self.address)
+        except DFlashError:
+            pass
+        self.server.stop(grace=0)
+
+    def _advertise(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.store.advertise_drafter(self.address, ttl_s=3 * self.advertise_every_s)
+            except DFlashError:
+                pass  # the store is down; the verifier cannot find us anyway
+            self._stop.wait(self.advertise_every_s)

@@ -1,0 +1,113 @@
+"""The public edge: checks a GenerateRequest (auth, size, fields), opens the request span, relays the
+verifier's stream. Never imports torch: it runs on CPU-only proxy nodes.
+"""
+
+from __future__ import annotations
+
+import hmac
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+
+from google.protobuf.unknown_fields import UnknownFieldSet
+from opentelemetry import trace
+
+from ..api.v1 import generate_pb2
+from ..errors import InvalidRequestError
+from ..params import SamplingParams
+from . import tracing
+from .config import ServiceConfig
+from .messages import StreamError, VerifyRequest
+from .metrics import ServiceMetrics
+
+SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "block_size")
+LIST_FIELDS = ("stop", "stop_token_ids")
+
+
+class Rejected(Exception):
+    """A request answered with a gRPC error: `code` is a grpc.StatusCode name."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+OpenStream = Callable[[VerifyRequest, dict], AsyncIterator]
+
+
+class Ingress:
+    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics | None = None):
+        self.config = config
+        self.metrics = metrics or ServiceMetrics("none")
+
+    async def generate(self, request: generate_pb2.GenerateRequest, metadata: Mapping[str, str],
+                       open_stream: OpenStream) -> AsyncIterator[generate_pb2.GenerateChunk]:
+        """Relay the verifier's chunks; raises Rejected for every error the client should see."""
+        name = f"text_completion {self.config.model_name}"
+        with tracing.tracer().start_as_current_span(name, kind=trace.SpanKind.SERVER) as span:
+            try:
+                verify = self.admit(request, metadata)
+                span.set_attributes(tracing.request_attributes(
+                    self.config.model_name, verify.params or {}, verify.session_id))
+                span.set_attribute("dflash.resumed", verify.resume)
+                async for item in open_stream(verify, tracing.carrier()):
+                    if isinstance(item, StreamError):
+                        raise Rejected(item.code, item.message)
+                    if item.HasField("final"):
+                        f = item.final
+                        span.set_attributes(tracing.final_attributes(
+                            f.finish_reason, f.usage.prompt_tokens, f.usage.completion_tokens, f.tau, f.rounds))
+                    yield item
+            except Rejected as exc:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+                span.set_attribute("rpc.grpc.status_code", exc.code)
+                self.metrics.record_error(exc.code)
+                raise
+
+    def admit(self, request: generate_pb2.GenerateRequest, metadata: Mapping[str, str]) -> VerifyRequest:
+        """Auth, size and field checks; a VerifyRequest for the verifier, or Rejected naming the field."""
+        self._check_auth(metadata)
+        limits = self.config.limits
+        if request.ByteSize() > limits.max_request_bytes:
+            raise Rejected("INVALID_ARGUMENT", f"request: {request.ByteSize()} bytes exceeds the limit of "
+                           f"{limits.max_request_bytes}; shorten the prompt")
+        unknown = UnknownFieldSet(request)
+        if len(unknown):
+            raise Rejected("INVALID_ARGUMENT", f"field number {unknown[0].field_number}: unknown field "
+                           "(this server speaks dflash.v1; check the client's proto)")
+        if request.session_id:
+            return self._resumption(request)
+        if request.tokens_received:
+            raise Rejected("INVALID_ARGUMENT", "tokens_received: only meaningful with session_id")
+        if request.prompt and request.prompt_token_ids:
+            raise Rejected("INVALID_ARGUMENT", "prompt: give prompt text or prompt_token_ids, not both")
+        if not request.prompt and not request.prompt_token_ids:
+            raise Rejected("INVALID_ARGUMENT", "prompt: is empty; give prompt text or prompt_token_ids")
+        params = {f: getattr(request, f) for f in SAMPLING_FIELDS if request.HasField(f)}
+        params.update({f: tuple(getattr(request, f)) for f in LIST_FIELDS if getattr(request, f)})
+        params["ignore_eos"] = request.ignore_eos
+        if len(params.get("stop", ())) > limits.max_stop_strings:
+            raise Rejected("INVALID_ARGUMENT", f"stop: at most {limits.max_stop_strings} stop strings")
+        if params.get("max_new_tokens", 1) > limits.max_new_tokens:
+            raise Rejected("INVALID_ARGUMENT", f"max_new_tokens: must be at most {limits.max_new_tokens}, "
+                           f"got {params['max_new_tokens']}")
+        try:
+            SamplingParams(**params)
+        except InvalidRequestError as exc:
+            raise Rejected("INVALID_ARGUMENT", str(exc)) from None
+        return VerifyRequest(uuid.uuid4().hex, params, request.prompt, tuple(request.prompt_token_ids))
+
+    def _resumption(self, request: generate_pb2.GenerateRequest) -> VerifyRequest:
+        for f in ("prompt", "prompt_token_ids", *SAMPLING_FIELDS, *LIST_FIELDS, "ignore_eos"):
+            value = getattr(request, f)
+            if (request.HasField(f) if f in SAMPLING_FIELDS else bool(value)):
+                raise Rejected("INVALID_ARGUMENT", f"{f}: must be empty when resuming a session (the session holds it)")
+        return VerifyRequest(request.session_id, tokens_received=request.tokens_received, resume=True)
+
+    def _check_auth(self, metadata: Mapping[str, str]) -> None:
+        token = self.config.auth_token
+        if not token:
+            return
+        sent = metadata.get("authorization", "")
+        if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+            raise Rejected("UNAUTHENTICATED", "authorization: send metadata 'authorization: Bearer <token>'")

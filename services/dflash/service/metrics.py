@@ -1,0 +1,81 @@
+"""Prometheus metrics: tau, tokens/s, rounds, requests and errors.
+
+Backend chosen by config (`metrics`): "ray" records through ray.util.metrics, which every Ray node
+exports on its Prometheus endpoint (what the Helm chart scrapes); "prometheus" uses prometheus_client
+with its own registry (tests, processes outside Ray); "none" records nothing.
+
+  dflash_requests_total{status}        finished Generate calls by outcome
+  dflash_errors_total{code}            requests answered with a gRPC error code
+  dflash_rounds_total                  speculative (verify) rounds
+  dflash_drafter_fallbacks_total       rounds run target-only because no drafter answered
+  dflash_tau                           histogram of per-request acceptance length
+  dflash_decode_tokens_per_second      histogram of per-request decode speed
+"""
+
+from __future__ import annotations
+
+TAU_BUCKETS = [1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 16]
+TPS_BUCKETS = [1, 5, 10, 25, 50, 100, 200, 400, 800, 1600]
+
+
+class ServiceMetrics:
+    def __init__(self, backend: str = "prometheus", registry=None):
+        self.backend = backend
+        self.registry = registry
+        if backend == "none":
+            return
+        make = _ray_metric if backend == "ray" else self._prometheus_metric
+        self.requests = make("counter", "dflash_requests_total", "Generate calls by outcome", ("status",))
+        self.errors = make("counter", "dflash_errors_total", "Generate calls answered with an error", ("code",))
+        self.rounds = make("counter", "dflash_rounds_total", "speculative verify rounds", ())
+        self.fallbacks = make("counter", "dflash_drafter_fallbacks_total", "rounds run target-only", ())
+        self.tau = make("histogram", "dflash_tau", "acceptance length per request", (), TAU_BUCKETS)
+        self.tokens_per_s = make("histogram", "dflash_decode_tokens_per_second", "decode speed", (), TPS_BUCKETS)
+
+    def record_round(self) -> None:
+        if self.backend != "none":
+            _inc(self.rounds, {})
+
+    def record_fallback(self) -> None:
+        if self.backend != "none":
+            _inc(self.fallbacks, {})
+
+    def record_request(self, status: str, tau: float = 0.0, tokens_per_s: float = 0.0) -> None:
+        if self.backend == "none":
+            return
+        _inc(self.requests, {"status": status})
+        if status == "finished":
+            _observe(self.tau, tau)
+            _observe(self.tokens_per_s, tokens_per_s)
+
+    def record_error(self, code: str) -> None:
+        if self.backend != "none":
+            _inc(self.errors, {"code": code})
+
+    def _prometheus_metric(self, kind, name, doc, labels, buckets=None):
+        import prometheus_client as pc
+
+        if self.registry is None:
+            self.registry = pc.CollectorRegistry()
+        if kind == "counter":
+            return pc.Counter(name.removesuffix("_total"), doc, labels, registry=self.registry)
+        return pc.Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+
+def _ray_metric(kind, name, doc, labels, buckets=None):
+    from ray.util import metrics
+
+    if kind == "counter":
+        return metrics.Counter(name, doc, tag_keys=labels)
+    return metrics.Histogram(name, doc, boundaries=buckets, tag_keys=labels)
+
+
+def _inc(metric, labels: dict) -> None:
+    if hasattr(metric, "labels"):
+        (metric.labels(**labels) if labels else metric).inc()
+    else:
+        metric.inc(1, tags=labels or None)
+
+
+def _observe(metric, value: float) -> None:
+    metric.observe(value)

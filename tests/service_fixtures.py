@@ -1,0 +1,40 @@
+"""Fixtures for the service tests: a real redis-server (AOF on, in a temp dir) and tiny model directories."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash.drafter.checkpoint import save_drafter
+from dflash.service.redis_process import RedisProcess, redis_server_path
+from tiny import char_tokenizer, tiny_drafter, tiny_target
+
+BLOCK_SIZE = 8
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    if redis_server_path() is None:
+        pytest.skip("redis-server is not installed (scripts/install.sh installs it)")
+    server = RedisProcess(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """A clean database on the shared server."""
+    import redis
+
+    redis.Redis.from_url(redis_server.url).flushdb()
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """(target dir with a char tokenizer, drafter dir): tiny random Qwen3 target and DFlash drafter."""
+    root = tmp_path_factory.mktemp("models")
+    target = tiny_target("qwen3", max_positions=256)
+    target.save_pretrained(root / "target")
+    char_tokenizer().save_pretrained(root / "target")
+    save_drafter(tiny_drafter(target, block_size=BLOCK_SIZE), root / "drafter")
+    return root / "target", root / "drafter"

@@ -1,0 +1,445 @@
+"""The Helm chart (helm/), checked by rendering: no cluster or helm binary exists here.
+
+helm-python-sdk renders the real chart through Helm's own Go SDK (bundled as a shared library), for
+the default values and every ci/*-values.yaml. Each rendered object is validated: standard kinds with
+kubernetes-validate (strict), the RayService against KubeRay's CRD schema (../shared/schemas), and
+its serveConfigV2 against Ray Serve's schema and the service's own config code, which builds the
+application's deployment graph without loading any model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk (dev extra) renders the chart")
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "helm"
+CRD_SCHEMA = REPO.parent / "shared" / "schemas" / "rayservice-v1.openapi.json"
+VARIANTS = ["default"] + sorted(p.name.removesuffix("-values.yaml") for p in (CHART / "ci").glob("*-values.yaml"))
+KUBE_VERSION = "1.33"  # kubernetes-validate schema version the objects must satisfy
+
+
+def variant_values(variant: str) -> dict:
+    return {} if variant == "default" else yaml.safe_load((CHART / "ci" / f"{variant}-values.yaml").read_text())
+
+
+def render(values: dict | None = None, release: str = "dflash", namespace: str = "dflash") -> dict[str, str]:
+    """Template path -> rendered text, as `helm template` would print it."""
+    with helm.Chart.load(str(CHART)) as chart:
+        return chart.render(values or {}, name=release, namespace=namespace, is_install=True)
+
+
+def objects(rendered: dict[str, str]) -> list[dict]:
+    return [doc for path, text in sorted(rendered.items()) if path.endswith(".yaml")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+@functools.cache
+def variant_objects(variant: str) -> tuple:
+    return tuple(objects(render(variant_values(variant))))
+
+
+def one(objs, kind: str, name_suffix: str = "") -> dict:
+    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"].endswith(name_suffix)]
+    assert len(found) == 1, f"expected one {kind} *{name_suffix}, got {[o['metadata']['name'] for o in found]}"
+    return found[0]
+
+
+def rayservice(variant: str) -> dict:
+    return one(variant_objects(variant), "RayService")
+
+
+def serve_config(variant: str) -> dict:
+    return yaml.safe_load(rayservice(variant)["spec"]["serveConfigV2"])
+
+
+def groups(variant: str) -> dict[str, dict]:
+    """groupName -> group spec; the head group as "head"."""
+    cluster = rayservice(variant)["spec"]["rayClusterConfig"]
+    return {"head": cluster["headGroupSpec"], **{g["groupName"]: g for g in cluster["workerGroupSpecs"]}}
+
+
+def pod_specs(obj: dict) -> list[dict]:
+    """Every pod spec inside an object (Ray groups, StatefulSet template, bare Pod)."""
+    if obj["kind"] == "Pod":
+        return [obj["spec"]]
+    if obj["kind"] == "StatefulSet":
+        return [obj["spec"]["template"]["spec"]]
+    if obj["kind"] == "RayService":
+        return [g["template"]["spec"] for g in groups_of(obj)]
+    return []
+
+
+def groups_of(rs: dict) -> list[dict]:
+    cluster = rs["spec"]["rayClusterConfig"]
+    return [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+
+
+# --- the chart renders and lints -------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lint_has_no_warnings(variant):
+    report = helm.lint(str(CHART), variant_values(variant), strict=True, namespace="dflash")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not report["errors"] and not problems, report
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_renders_the_expected_objects(variant):
+    kinds = sorted(o["kind"] for o in variant_objects(variant))
+    internal_redis = variant_values(variant).get("redis", {}).get("mode", "internal") == "internal"
+    expected = ["NetworkPolicy", "Pod", "RayService", "ServiceAccount"]
+    if internal_redis:
+        expected += ["NetworkPolicy", "Secret", "Service", "StatefulSet"]
+    assert kinds == sorted(expected)
+
+
+# --- every object is valid -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_standard_objects_pass_kubernetes_validate_strict(variant):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for obj in variant_objects(variant):
+        if obj["apiVersion"] == "ray.io/v1":
+            continue
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+def unknown_fields(value, schema: dict, path: str = "") -> list[str]:
+    """Fields the API server would prune: KubeRay's CRD schema does not forbid them, so look."""
+    if schema.get("x-kubernetes-preserve-unknown-fields") or not isinstance(value, (dict, list)):
+        return []
+    if isinstance(value, list):
+        return [p for i, item in enumerate(value) for p in unknown_fields(item, schema.get("items", {}), f"{path}[{i}]")]
+    props, extra = schema.get("properties"), schema.get("additionalProperties")
+    out = []
+    for key, item in value.items():
+        if props is not None and key in props:
+            out += unknown_fields(item, props[key], f"{path}.{key}")
+        elif isinstance(extra, dict):
+            out += unknown_fields(item, extra, f"{path}.{key}")
+        elif props is not None:
+            out.append(f"{path}.{key}")
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rayservice_matches_kuberay_schema(variant):
+    if not CRD_SCHEMA.is_file():
+        pytest.skip(f"KubeRay's RayService schema is not here ({CRD_SCHEMA}): shared/ is not beside the repo")
+    import jsonschema
+
+    schema = json.loads(CRD_SCHEMA.read_text())
+    rs = rayservice(variant)
+    jsonschema.validate(rs["spec"], schema["properties"]["spec"])
+    assert unknown_fields(rs["spec"], schema["properties"]["spec"], "spec") == []
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_serve_config_passes_ray_serve_schema(variant):
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(serve_config(variant))
+
+
+# --- the service understands the rendered serveConfigV2 ----------------------------------------------
+
+def build_graph(app: dict):
+    """Import the application builder and build its deployment graph; no Ray cluster, no model."""
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve._private.build_app import build_app
+
+    builder = import_attr(app["import_path"])
+    return build_app(call_user_app_builder_with_args_if_necessary(builder, app["args"]), name=app["name"])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_service_config_builds_the_deployment_graph(variant):
+    from dflash.service.config import ServiceConfig
+
+    config = serve_config(variant)
+    (app,) = config["applications"]
+    service = ServiceConfig.from_dict(app["args"])
+    built = build_graph(app)
+    deployments = {d.name: d for d in built.deployments}
+    expected = {"ingress", "verifier"} | ({"drafter"} if service.mode == "disaggregated" else set())
+    assert set(deployments) == expected
+    assert built.ingress_deployment_name == "ingress"
+    assert config["grpc_options"]["port"] == service.grpc_port
+
+    # Each worker group offers one custom resource; only its own deployment asks for it.
+    offered = {name: ray_resources(g) for name, g in groups(variant).items()}
+    assert offered["head"] == {}
+    for name, dep in deployments.items():
+        asked = dep.ray_actor_options.get("resources", {})
+        if name == "ingress":
+            assert asked == {}, "the ingress runs on the head, which offers no custom resource"
+            continue
+        (resource,) = asked
+        assert offered[name] == {resource: offered[name][resource]}, f"{name} must land on its own group"
+        group = groups(variant)[name]
+        gpus = float(group["rayStartParams"]["num-gpus"])
+        replicas = offered[name][resource] / asked[resource]
+        assert dep.ray_actor_options.get("num_gpus", 0) * replicas <= gpus
+        auto = dep._deployment_config.autoscaling_config
+        assert auto is not None and auto.min_replicas <= auto.max_replicas
+
+
+def ray_resources(group: dict) -> dict:
+    raw = group["rayStartParams"].get("resources")
+    return json.loads(json.loads(raw)) if raw else {}  # KubeRay wants the JSON quoted once more
+
+
+def test_a_value_the_service_does_not_understand_fails():
+    from dflash.service.config import ConfigError
+
+    (app,) = serve_config("default")["applications"]
+    for bad in ({**app["args"], "not_a_setting": 1},
+                {**app["args"], "redis": {**app["args"]["redis"], "ttl": 5}},
+                {**app["args"], "limits": {**app["args"]["limits"], "max_new_tokens": "many"}}):
+        with pytest.raises(ConfigError):
+            build_graph({**app, "args": bad})
+
+
+def test_grpc_servicers_are_the_services():
+    from dflash.service.app import SERVICERS
+    from ray._common.utils import import_attr
+
+    functions = serve_config("default")["grpc_options"]["grpc_servicer_functions"]
+    assert functions == list(SERVICERS)
+    for function in functions:
+        assert callable(import_attr(function))
+
+
+def test_secrets_and_per_pod_values_reach_the_service_config():
+    """The DFLASH_* variables on the Ray containers are keys the service's config accepts."""
+    from dflash.service.config import ServiceConfig, _env_items, _set_dotted
+
+    for variant in VARIANTS:
+        for group in groups(variant).values():
+            env = {e["name"]: e.get("value", "secret") for e in group["template"]["spec"]["containers"][0]["env"]}
+            tree: dict = {}
+            for key, value in _env_items({k: v for k, v in env.items() if k.startswith("DFLASH_")}):
+                _set_dotted(tree, key, value)
+            ServiceConfig.from_dict(tree)
+            assert "DFLASH_REDIS__URL" in env
+
+
+# --- the shape the issue asks for --------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gpu_split(variant):
+    values = variant_values(variant)
+    g = groups(variant)
+    head = g["head"]["template"]["spec"]["containers"][0]
+    assert g["head"]["rayStartParams"]["num-gpus"] == "0"
+    assert "nvidia.com/gpu" not in json.dumps(head["resources"])
+    cpu_only = values.get("image", {}).get("flavor") == "cpu"
+    for role in ("verifier", "drafter"):
+        spec = g[role]["template"]["spec"]
+        limits = spec["containers"][0]["resources"]["limits"]
+        if cpu_only:
+            assert "nvidia.com/gpu" not in limits
+            continue
+        assert limits["nvidia.com/gpu"] >= 1
+        assert spec["nodeSelector"], f"{role} pods need their GPU node group"
+        assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
+    if not cpu_only:
+        assert g["verifier"]["template"]["spec"]["nodeSelector"] != g["drafter"]["template"]["spec"]["nodeSelector"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_grpc_port_is_exposed_as_serve_grpc(variant):
+    rs = rayservice(variant)
+    port = serve_config(variant)["grpc_options"]["port"]
+    for group in groups_of(rs):
+        ports = {p["name"]: p["containerPort"] for p in group["template"]["spec"]["containers"][0]["ports"]}
+        assert ports["serve-grpc"] == port
+    (svc_port,) = rs["spec"]["serveService"]["spec"]["ports"]
+    assert (svc_port["name"], svc_port["targetPort"], svc_port["port"]) == ("serve-grpc", "serve-grpc", port)
+    assert rs["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+
+
+def test_names_fit_kuberay_limits():
+    long_release = "a-very-long-release-name-for-a-customer-cluster-prod"
+    rs = one(objects(render({}, release=long_release)), "RayService")
+    name = rs["metadata"]["name"]
+    assert len(name) <= 47 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name)
+    assert len(rs["spec"]["serveService"]["metadata"]["name"]) <= 63
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_standard_labels(variant):
+    for obj in variant_objects(variant):
+        labels = obj["metadata"]["labels"]
+        for key in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
+                    "app.kubernetes.io/managed-by", "helm.sh/chart"):
+            assert key in labels, f"{obj['kind']}/{obj['metadata']['name']} lacks {key}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_containers_are_locked_down(variant):
+    for obj in variant_objects(variant):
+        for spec in pod_specs(obj):
+            assert spec["securityContext"]["runAsNonRoot"] is True
+            assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+            for c in spec.get("initContainers", []) + spec["containers"]:
+                sc = c["securityContext"]
+                assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+                assert sc["readOnlyRootFilesystem"] is True, f"{c['name']} has a writable root"
+                assert c["image"].split(":")[-1] not in ("", "latest"), f"{c['name']} image is not pinned"
+    autoscaler = rayservice(variant)["spec"]["rayClusterConfig"]["autoscalerOptions"]["securityContext"]
+    assert autoscaler["runAsNonRoot"] is True and autoscaler["capabilities"]["drop"] == ["ALL"]
+
+
+def env_of(container: dict) -> dict:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_redis(variant):
+    objs = variant_objects(variant)
+    env = env_of(groups(variant)["verifier"]["template"]["spec"]["containers"][0])
+    if variant_values(variant).get("redis", {}).get("mode") == "external":
+        assert not [o for o in objs if o["kind"] == "StatefulSet"]
+        assert env["DFLASH_REDIS__URL"]["valueFrom"]["secretKeyRef"]["name"] == "dflash-redis-url"
+        return
+    sts = one(objs, "StatefulSet", "-redis")
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    assert "--appendonly yes" in container["args"][0]
+    assert "$REDIS_PASSWORD" in container["args"][0] and "requirepass" in container["args"][0]
+    assert env_of(container)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == one(objs, "Secret")["metadata"]["name"]
+    assert "ping" in " ".join(container["readinessProbe"]["exec"]["command"])
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    assert {"name": "data", "mountPath": "/data"} in container["volumeMounts"]
+    assert env["DFLASH_REDIS__URL"]["value"].startswith("redis://:$(REDIS_PASSWORD)@")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_model_sources(variant):
+    source = variant_values(variant).get("model", {}).get("source", "hub")
+    args = serve_config(variant)["applications"][0]["args"]["model"]
+    for role in ("verifier", "drafter"):
+        spec = groups(variant)[role]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        if source == "hub":
+            (init,) = spec["initContainers"]
+            assert args["target"] == "/models/target" and args["drafter"] == "/models/drafter"
+            assert "snapshot_download" in init["args"][0]
+            if variant == "gpu-split":
+                assert env_of(init)["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
+        elif source == "pvc":
+            assert volumes["models"]["persistentVolumeClaim"]["readOnly"] is True
+            assert args["target"].startswith("/models/") and "initContainers" not in spec
+        else:
+            assert "models" not in volumes and "initContainers" not in spec
+            assert args["target"] is None  # the demo pair baked into the image
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_otel_and_auth_env(variant):
+    values = variant_values(variant)
+    for group in groups(variant).values():
+        env = env_of(group["template"]["spec"]["containers"][0])
+        if values.get("otel", {}).get("endpoint"):
+            assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == values["otel"]["endpoint"]
+            assert env["OTEL_SERVICE_NAME"]["value"] == "dflash"
+        else:
+            assert not [k for k in env if k.startswith("OTEL_")]
+        if values.get("auth", {}).get("enabled"):
+            assert env["DFLASH_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == values["auth"]["existingSecret"]
+        else:
+            assert "DFLASH_AUTH_TOKEN" not in env
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_network_policies(variant):
+    objs = variant_objects(variant)
+    ray = one(objs, "NetworkPolicy", "-ray")
+    open_rules = [r for r in ray["spec"]["ingress"] if "from" not in r]
+    assert open_rules == [{"ports": [{"port": "serve-grpc", "protocol": "TCP"}]}], "only gRPC is open to all"
+    if any(o["kind"] == "StatefulSet" for o in objs):
+        redis = one(objs, "NetworkPolicy", "-redis")
+        (rule,) = redis["spec"]["ingress"]
+        (peer,) = rule["from"]
+        assert peer["podSelector"]["matchLabels"] == ray["spec"]["podSelector"]["matchLabels"]
+
+
+def test_helm_test_pod_runs_a_generate_call():
+    pod = one(variant_objects("gpu-split"), "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    container = pod["spec"]["containers"][0]
+    assert "GenerationStub" in container["args"][0] and ".Generate(" in container["args"][0]
+    env = env_of(container)
+    assert env["TARGET"]["value"] == f"{rayservice('gpu-split')['spec']['serveService']['metadata']['name']}:9000"
+    assert "AUTH_TOKEN" in env
+
+
+def test_notes_show_port_forward_and_grpcurl():
+    notes = render({})["dflash/templates/NOTES.txt"]
+    assert "kubectl -n dflash port-forward svc/dflash-serve-svc 9000:9000" in notes
+    assert "grpcurl -plaintext" in notes and "dflash.v1.Generation/Generate" in notes
+
+
+# --- values: documented and schema-checked -----------------------------------------------------------
+
+def test_every_value_has_a_comment():
+    """Every key has a comment above it or on its line; what lies under a "# --" value is its content."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    missing, inside = [], None  # inside: indentation of the documented value being read
+    for i, line in enumerate(lines):
+        match = re.match(r"^(\s*)(?:- )?([A-Za-z][\w./-]*):", line)
+        if not match or line.lstrip().startswith("#"):
+            continue
+        indent = len(match.group(1))
+        if inside is not None and indent > inside:
+            continue
+        inside = None
+        previous = next((p for p in reversed(lines[:i]) if p.strip()), "").strip()
+        if "#" not in line and not previous.startswith("#"):
+            missing.append(f"line {i + 1}: {line.strip()}")
+        if previous.startswith("# --"):
+            inside = indent
+    assert missing == []
+
+
+BAD_VALUES = [
+    ({"model": {"source": "s3"}}, "/model/source"),
+    ({"mode": "split"}, "/mode"),
+    ({"redis": {"mode": "cluster"}}, "/redis/mode"),
+    ({"verifier": {"autoscaling": {"minReplicas": -1}}}, "/verifier/autoscaling/minReplicas"),
+    ({"drafter": {"rayResource": "drafter gpu"}}, "/drafter/rayResource"),
+    ({"grpc": {"port": 70000}}, "/grpc/port"),
+    ({"image": {"flavor": "rocm"}}, "/image/flavor"),
+    ({"verifier": {"pods": {"gpus": "one"}}}, "/verifier/pods/gpus"),
+    ({"sessions": {"ttlSeconds": 0}}, "/sessions/ttlSeconds"),
+    ({"fullnameOverride": "Dflash_Prod"}, "/fullnameOverride"),
+    ({"replicaCount": 3}, "replicaCount"),
+    ({"redis": {"persistance": {"size": "1Gi"}}}, "persistance"),
+]
+
+
+@pytest.mark.parametrize(("values", "where"), BAD_VALUES, ids=[w for _, w in BAD_VALUES])
+def test_schema_rejects_bad_values(values, where):
+    with pytest.raises(helm.HelmValuesError, match=re.escape(where)):
+        render(values)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"auth": {"enabled": True}}, "auth.existingSecret"),
+    ({"redis": {"mode": "external"}}, "redis.external.existingSecret"),
+    ({"model": {"source": "pvc"}}, "model.pvc.claimName"),
+    ({"tls": {"enabled": True, "existingSecret": "tls"}}, "tls.enabled"),
+    ({"drafter": {"gpusPerReplica": 1, "replicasPerPod": 2}}, "exceeds pods.gpus"),
+])
+def test_inconsistent_values_fail_with_a_message(values, message):
+    with pytest.raises(helm.HelmError, match=re.escape(message)):
+        render(values)

@@ -1,0 +1,189 @@
+"""The verifier and drafter replicas in this process, talking real gRPC over loopback, sessions in real Redis.
+
+Checks the disaggregated data path against the in-process engine: identical tokens, drafts identical
+to a co-located drafter's (also after a replica dies and another rebuilds the session from the
+context log), target-only fallback, resumption, and one trace per request with the drafter inside.
+"""
+
+import asyncio
+
+import pytest
+import torch
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from dflash.api.v1 import generate_pb2
+from dflash.loading import build_engine
+from dflash.params import SamplingParams
+from dflash.service.async_stream import iterate_in_thread
+from dflash.service.config import ServiceConfig
+from dflash.service.drafter_server import DrafterServer
+from dflash.service.ingress import Ingress
+from dflash.service.messages import StreamError, VerifyRequest
+from dflash.service.parts import build_draft_sessions, build_verifier_engine
+from dflash.service.session_store import RedisSessionStore
+from dflash.service.verifier import Verifier
+from service_fixtures import model_dirs, redis_server, redis_url  # noqa: F401
+
+PROMPTS = ["def f(x):\n    return", "import os\nprint(", "a = [1, 2, 3]\nb ="]
+EXPORTER = InMemorySpanExporter()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tracer_provider():
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
+    trace.set_tracer_provider(provider)
+    yield provider
+
+
+def config_for(model_dirs, redis_url, **kw):
+    target, drafter = model_dirs
+    tree = {"mode": "disaggregated", "model": {"target": str(target), "drafter": str(drafter), "device": "cpu",
+            "dtype": "float32"}, "redis": {"url": redis_url, "context_window": 0},
+            "drafter_net": {"retry_after_s": 0.2, "timeout_s": 5.0}, "metrics": "prometheus"}
+    for key, value in kw.items():
+        section, _, leaf = key.partition("__")
+        (tree.setdefault(section, {}).__setitem__(leaf, value)) if leaf else tree.__setitem__(key, value)
+    return ServiceConfig.from_dict(tree)
+
+
+@pytest.fixture
+def service(model_dirs, redis_url):
+    """(verifier, [drafter servers], store, reference engine)."""
+    config = config_for(model_dirs, redis_url)
+    store = RedisSessionStore(redis_url)
+    servers = [DrafterServer(build_draft_sessions(config, store), store, advertise_every_s=0.2).start() for _ in range(2)]
+    verifier = Verifier(build_verifier_engine(config, store, None), store, "tiny")
+    reference = build_engine(model_dirs[0], model_dirs[1], device="cpu", dtype="float32")
+    yield verifier, servers, store, reference
+    for s in servers:
+        s.stop()
+
+
+def run(verifier, request):
+    chunks = list(verifier.stream(request))
+    assert not any(isinstance(c, StreamError) for c in chunks), chunks
+    return chunks
+
+
+def tokens_of(chunks):
+    return [t for c in chunks for t in c.token_ids]
+
+
+def expected(reference, prompt, max_new_tokens=24):
+    return reference.run(reference.encode(prompt), SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+
+
+def new_request(prompt, max_new_tokens=24, **params):
+    return VerifyRequest("s-" + str(abs(hash(prompt))), {"max_new_tokens": max_new_tokens, "ignore_eos": True, **params},
+                         prompt_text=prompt)
+
+
+def test_remote_drafting_streams_the_engines_tokens(service):
+    verifier, servers, _, reference = service
+    for prompt in PROMPTS:
+        chunks = run(verifier, new_request(prompt))
+        want = expected(reference, prompt)
+        assert tokens_of(chunks) == want.token_ids and "".join(c.text for c in chunks) == want.text
+        assert chunks[-1].final.finish_reason == "length" and chunks[-1].final.usage.completion_tokens == 24
+        assert {c.round.drafter for c in chunks[1:]} <= {s.address for s in servers} and chunks[1].round.drafter
+
+
+def test_remote_drafts_equal_local_drafts_across_a_rebuild(service):
+    verifier, servers, _, reference = service
+    remote, local = verifier.engine.drafter, reference.drafter
+    features = torch.randn(30, local.model.fc.in_features)
+    pieces = [(0, 12), (12, 15), (15, 22), (22, 30)]
+    for i, (a, b) in enumerate(pieces):
+        if i == 2:  # the replica holding the session dies; another one rebuilds from the context log
+            [s for s in servers if s.address == remote.last_replica("x")][0].stop()
+        got = remote.draft("x", features[a:b], a, 5, 8)
+        assert torch.equal(got, local.draft("x", features[a:b], a, 5, 8))
+    assert remote.last_replica("x") in {s.address for s in servers}
+
+
+def test_drafter_killed_mid_stream_gives_identical_output(service):
+    verifier, servers, _, reference = service
+    prompt, stream, got = PROMPTS[0], None, []
+    stream = verifier.stream(new_request(prompt, 40))
+    for chunk in stream:
+        got += chunk.token_ids
+        if chunk.round.index == 5:
+            for s in servers:
+                if s.address == chunk.round.drafter:
+                    s.stop()
+    assert got == expected(reference, prompt, 40).token_ids
+
+
+def test_no_drafter_runs_target_only_and_recovers(service, model_dirs):
+    verifier, servers, store, reference = service
+    for s in servers:
+        s.stop()
+    prompt = PROMPTS[1]
+    chunks = run(verifier, new_request(prompt))
+    assert tokens_of(chunks) == expected(reference, prompt).token_ids
+    assert {c.round.drafter for c in chunks[1:]} == {""}  # every round target-only
+    config = config_for(model_dirs, store.url)
+    back = DrafterServer(build_draft_sessions(config, store), store, advertise_every_s=0.2).start()
+    try:
+        chunks = run(verifier, new_request(PROMPTS[2]))
+        assert tokens_of(chunks) == expected(reference, PROMPTS[2]).token_ids
+        assert chunks[-1].round.drafter == back.address
+    finally:
+        back.stop()
+
+
+@pytest.mark.parametrize("received", [0, 1, 9, 24])
+def test_resume_gives_exactly_the_rest(service, received):
+    verifier, _, _, reference = service
+    request = new_request(PROMPTS[0], temperature=0.9, top_p=0.9)
+    full = tokens_of(run(verifier, request))
+    rest = run(verifier, VerifyRequest(request.session_id, tokens_received=received, resume=True))
+    assert full[:received] + tokens_of(rest) == full
+    assert rest[-1].final.usage.completion_tokens == 24
+
+
+def test_resume_errors_name_the_field(service):
+    verifier = service[0]
+    [err] = list(verifier.stream(VerifyRequest("unknown", resume=True)))
+    assert err.code == "NOT_FOUND" and err.message.startswith("session_id")
+    request = new_request(PROMPTS[0], 5)
+    run(verifier, request)
+    [err] = list(verifier.stream(VerifyRequest(request.session_id, tokens_received=6, resume=True)))
+    assert err.code == "INVALID_ARGUMENT" and err.message.startswith("tokens_received")
+
+
+def test_prompt_over_the_context_is_invalid(service):
+    [err] = list(service[0].stream(new_request("x" * 300)))
+    assert err.code == "INVALID_ARGUMENT" and err.message.startswith("prompt")
+
+
+def test_one_trace_per_request_with_rounds_and_drafter_spans(service):
+    verifier = service[0]
+    ingress = Ingress(config_for(("t", "d"), "redis://unused", model__name="tiny"))
+
+    def open_stream(verify, carrier):
+        return iterate_in_thread(lambda cancelled: verifier.stream(verify, carrier, cancelled))
+
+    async def consume():
+        request = generate_pb2.GenerateRequest(prompt=PROMPTS[2], max_new_tokens=12, ignore_eos=True)
+        return [c async for c in ingress.generate(request, {}, open_stream)]
+
+    EXPORTER.clear()
+    chunks = asyncio.run(consume())
+    spans = EXPORTER.get_finished_spans()
+    [root] = [s for s in spans if s.name == "text_completion tiny"]
+    assert root.attributes["gen_ai.request.model"] == "tiny"
+    assert root.attributes["gen_ai.usage.output_tokens"] == 12
+    assert root.attributes["gen_ai.usage.input_tokens"] == len(PROMPTS[2])
+    rounds = [s for s in spans if s.name == "dflash.round"]
+    drafts = [s for s in spans if s.name == "dflash.draft"]
+    assert len(rounds) == len(chunks) and len(drafts) == len(chunks) - 1  # prefill round drafts nothing
+    assert {s.context.trace_id for s in spans} == {root.context.trace_id}
+    round_ids = {s.context.span_id for s in rounds}
+    assert all(s.parent.span_id == root.context.span_id for s in rounds)
+    assert all(s.parent.span_id in round_ids for s in drafts)
+    assert all(s.attributes["dflash.drafter.replica"] for s in rounds[1:])

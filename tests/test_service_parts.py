@@ -1,0 +1,132 @@
+"""Service parts without Ray: generated code, codec, config, ingress checks, the session store on real Redis."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.api import generate as api_generate
+from dflash.api.v1 import generate_pb2
+from dflash.service import codec
+from dflash.service.config import ConfigError, ServiceConfig, load_config
+from dflash.service.ingress import Ingress, Rejected
+from dflash.service.session_store import FINISHED, RedisSessionStore, SessionRecord, StoreUnavailableError
+from service_fixtures import redis_server, redis_url  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_generated_code_is_current(tmp_path):
+    api_generate.generate(tmp_path)
+    for fresh in sorted(tmp_path.rglob("*.py*")):
+        checked_in = REPO / "services" / fresh.relative_to(tmp_path)
+        assert checked_in.exists(), f"{checked_in} missing: run scripts/gen_protos.sh"
+        assert checked_in.read_text() == fresh.read_text(), f"{checked_in} is stale: run scripts/gen_protos.sh"
+
+
+def test_ingress_and_app_never_import_torch():
+    code = "import sys, dflash.service.app, dflash.service.ingress; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_codec_round_trips_in_chunks(dtype):
+    context = torch.randn(37, 24).to(dtype)
+    chunks = list(codec.draft_request_chunks("s", context, 5, 9, 8, chunk_bytes=100))
+    assert len(chunks) > 1 and chunks[0].context.shape == [37, 24]
+    head, back = codec.join_draft_request(iter(chunks))
+    assert head.session_id == "s" and head.context_start == 5 and head.last_token == 9
+    assert back.dtype == dtype and torch.equal(back, context)
+    start, logged = codec.unpack_log_entry(codec.pack_log_entry(11, context))
+    assert start == 11 and torch.equal(logged, context)
+
+
+def test_codec_rejects_short_data():
+    with pytest.raises(codec.CodecError, match="needs 16 bytes"):
+        codec.from_parts("float32", (2, 2), b"\0" * 12)
+
+
+def test_config_layers_yaml_env_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("mode: disaggregated\nverifier:\n  max_ongoing_requests: 3\n  ray_actor_options: {num_gpus: 1}\n")
+    config = load_config(path, env={"DFLASH_REDIS__TTL_S": "60", "DFLASH_GRPC_PORT": "9100"},
+                         overrides={"drafter.num_replicas": 2})
+    assert config.mode == "disaggregated" and config.redis.ttl_s == 60 and config.grpc_port == 9100
+    assert config.verifier.serve_options()["ray_actor_options"] == {"num_gpus": 1}
+    assert config.drafter.serve_options()["num_replicas"] == 2
+    assert ServiceConfig.from_dict(config.to_dict()) == config  # what the chart renders loads back
+
+
+@pytest.mark.parametrize("tree, field", [
+    ({"redis": {"urll": "x"}}, "redis.urll"), ({"mode": "split"}, "mode"), ({"grpc_port": "9000"}, "grpc_port"),
+])
+def test_config_errors_name_the_key(tree, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        ServiceConfig.from_dict(tree)
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({}, "prompt"),
+    ({"prompt": "x", "prompt_token_ids": [1]}, "prompt"),
+    ({"prompt": "x", "temperature": -1.0}, "temperature"),
+    ({"prompt": "x", "top_p": 0.0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens"),
+    ({"prompt": "x", "max_new_tokens": 10**6}, "max_new_tokens"),
+    ({"prompt": "x" * 5000}, "request"),
+    ({"session_id": "abc", "temperature": 0.5}, "temperature"),
+    ({"prompt": "x", "tokens_received": 3}, "tokens_received"),
+])
+def test_ingress_rejects_bad_requests_naming_the_field(fields, named):
+    ingress = Ingress(ServiceConfig.from_dict({"limits": {"max_request_bytes": 4096}}))
+    with pytest.raises(Rejected) as err:
+        ingress.admit(generate_pb2.GenerateRequest(**fields), {})
+    assert err.value.code == "INVALID_ARGUMENT" and err.value.message.startswith(named)
+
+
+def test_ingress_rejects_unknown_fields_and_checks_the_token():
+    ingress = Ingress(ServiceConfig(auth_token="s3cret"))
+    good = generate_pb2.GenerateRequest(prompt="x")
+    with pytest.raises(Rejected) as err:
+        ingress.admit(good, {"authorization": "Bearer wrong"})
+    assert err.value.code == "UNAUTHENTICATED"
+    assert ingress.admit(good, {"authorization": "Bearer s3cret"}).params == {"ignore_eos": False}
+    unknown = generate_pb2.GenerateRequest.FromString(good.SerializeToString() + b"\xa8\x06\x01")  # field 101
+    with pytest.raises(Rejected, match="field number 101"):
+        ingress.admit(unknown, {"authorization": "Bearer s3cret"})
+
+
+def test_session_store_round_trip_and_context_window(redis_url):
+    store = RedisSessionStore(redis_url, ttl_s=30)
+    store.create(SessionRecord("s1", [1, 2, 3], {"max_new_tokens": 9}, seed=7, model="m"))
+    store.commit("s1", [4, 5], 1)
+    store.commit("s1", [6], 2)
+    record = store.get("s1")
+    assert record.output_ids == [4, 5, 6] and record.seed == 7 and record.num_rounds == 2
+    assert record.sampling_params().max_new_tokens == 9
+    store.truncate_output("s1", 1)
+    store.finish("s1", FINISHED, {"tau": 1.5})
+    record = store.get("s1")
+    assert record.output_ids == [4] and record.status == FINISHED and record.final == {"tau": 1.5}
+    for i in range(5):
+        store.append_context("s1", bytes([i]), reset=i == 0, keep_entries=3)
+    assert store.context_log("s1") == [b"\2", b"\3", b"\4"]
+    assert store.get("nope") is None
+    store.advertise_drafter("h:1", ttl_s=30)
+    assert store.drafters() == ["h:1"]
+
+
+def test_sessions_survive_a_redis_restart(redis_server, redis_url):
+    store = RedisSessionStore(redis_url)
+    store.create(SessionRecord("live", [1], {}, seed=3))
+    store.commit("live", [2, 3], 1)
+    redis_server.restart()  # AOF on: the write is on disk before SIGTERM completes
+    assert store.get("live").output_ids == [2, 3]
+
+
+def test_unreachable_redis_is_a_clear_error():
+    store = RedisSessionStore("redis://127.0.0.1:1/0", socket_timeout_s=0.5)
+    with pytest.raises(StoreUnavailableError, match="unreachable"):
+        store.get("x")
