@@ -18,16 +18,16 @@ import platform
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
-
 from dflash.drafter import DFlashConfig, DFlashDraftModel
 from dflash.drafter.local import LocalDrafter
 from dflash.engine import SpeculativeEngine
 from dflash.params import SamplingParams
 from dflash.target import TargetModel
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 PAPER_TAU = {"greedy (paper average, Qwen3-8B)": (0.0, 6.49), "T=1 (paper average, Qwen3-8B)": (1.0, 5.48)}
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -68,7 +68,7 @@ def build(shape: dict, num_layers: int, block_size: int, device: torch.device, d
         torch.set_default_dtype(previous)
     random_init(target, 0)
     random_init(drafter, 1)
-    return target.to(dtype), drafter.to(dtype)
+    return target, drafter  # built in dtype; RoPE frequencies stay float32 as in from_pretrained
 
 
 class Clock:
@@ -103,15 +103,14 @@ def measure_verify(target: TargetModel, plain: TargetModel, context: int, clock:
     out = {}
     for k in VERIFY_SIZES:
         ids = torch.randint(0, vocab - 1, (k,)).tolist()
-
-        def once():
-            target.forward(ids, context, cache)
-            target.crop(cache, context)
-
-        out[f"verify_{k}"] = clock.ms(once, iters, warmup)
-    ids = [1]
-    out["step_1"] = clock.ms(lambda: (plain.forward(ids, context, cache), plain.crop(cache, context)), iters, warmup)
+        out[f"verify_{k}"] = clock.ms(partial(_forward_and_crop, target, ids, context, cache), iters, warmup)
+    out["step_1"] = clock.ms(partial(_forward_and_crop, plain, [1], context, cache), iters, warmup)
     return out
+
+
+def _forward_and_crop(model: TargetModel, ids: list[int], context: int, cache) -> None:
+    model.forward(ids, context, cache)
+    model.crop(cache, context)
 
 
 @torch.inference_mode()
@@ -124,16 +123,16 @@ def measure_draft(drafter: LocalDrafter, context: int, features: int, new_contex
     for size in DRAFT_SIZES:
         session = f"draft-{size}"
         drafter.draft(session, torch.randn(context, features, device=device, dtype=dtype), 0, 1, size)
-        state = {"start": context}
-
-        def once():
-            new = torch.randn(new_context, features, device=device, dtype=dtype)
-            drafter.draft(session, new, state["start"], 1, size)
-            state["start"] += new_context
-
-        out[f"draft_{size}"] = clock.ms(once, iters, warmup)
+        reached = [context]  # the position the session's context reaches, advanced by each call
+        new = torch.randn(new_context, features, device=device, dtype=dtype)
+        out[f"draft_{size}"] = clock.ms(partial(_draft_next, drafter, session, new, reached, size), iters, warmup)
         drafter.release(session)
     return out
+
+
+def _draft_next(drafter: LocalDrafter, session: str, new: torch.Tensor, reached: list[int], size: int) -> None:
+    drafter.draft(session, new, reached[0], 1, size)
+    reached[0] += new.shape[0]
 
 
 @torch.inference_mode()
@@ -148,7 +147,7 @@ def measure_rounds(engine: SpeculativeEngine, baseline: SpeculativeEngine, conte
                                     block_size=block, ignore_eos=True)
             gen = eng.start(prompt, params)
             eng.prefill(gen)
-            out[f"{name}_t{temperature:g}"] = clock.ms(lambda: eng.step(gen), iters, warmup)
+            out[f"{name}_t{temperature:g}"] = clock.ms(partial(eng.step, gen), iters, warmup)
             eng.release(gen)
     return out
 
@@ -174,10 +173,10 @@ def implied(costs: dict) -> dict:
 
 def markdown(result: dict) -> str:
     c = result["costs_ms"]
-    lines = [f"{result['machine']['device']}, {result['shape']} target, {result['drafter_layers']}-layer drafter, "
-             f"{result['dtype']}, context {result['context']} tokens (median ms of {c['verify_1']['n']})", "",
-             "| cost | ms |", "|---|---|"]
-    lines += [f"| target forward, {k} token{'s' if k > 1 else ''} (DFlash verify) | {c[f'verify_{k}']['median']:.3f} |"
+    head = (f"{result['machine']['device']}, {result['shape']} target, {result['drafter_layers']}-layer drafter, "
+            f"{result['dtype']}, context {result['context']} tokens (median ms of {c['verify_1']['n']})")
+    lines = [head, "", "| cost | ms |", "|---|---|"]
+    lines += [f"| target forward, {k} token(s) (DFlash verify) | {c[f'verify_{k}']['median']:.3f} |"
               for k in VERIFY_SIZES]
     lines.append(f"| target-only step (1 token, no features) | {c['step_1']['median']:.3f} |")
     lines += [f"| draft, block {b} | {c[f'draft_{b}']['median']:.3f} |" for b in DRAFT_SIZES]
@@ -185,7 +184,8 @@ def markdown(result: dict) -> str:
         lines += [f"| engine round, DFlash block 16, T={t} | {c[f'round_16_t{t}']['median']:.3f} |",
                   f"| engine round, DFlash block 8, T={t} | {c[f'round_8_t{t}']['median']:.3f} |",
                   f"| engine round, target alone, T={t} | {c[f'target_step_t{t}']['median']:.3f} |"]
-    lines += ["", "| at the paper's tau | tau | speedup (engine rounds) | speedup (networks only) |", "|---|---|---|---|"]
+    lines += ["", "| at the paper's tau | tau | speedup (engine rounds) | speedup (networks only) |",
+              "|---|---|---|---|"]
     for label, s in result["speedups"].items():
         lines.append(f"| {label} | {s['tau']} | {s['speedup_engine']:.2f}x | {s['speedup_networks_only']:.2f}x |")
     lines += ["", "Goals: " + ", ".join(f"{k} = {v}" for k, v in result["goals"].items())]
@@ -219,10 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     costs |= measure_rounds(SpeculativeEngine(target, drafter), SpeculativeEngine(plain), context, clock, iters, warmup)
     result = {"shape": "tiny" if args.tiny else "Qwen3-8B", "drafter_layers": 5, "dtype": str(dtype).split(".")[-1],
               "context": context, "new_context_per_draft": args.new_context,
-              "machine": {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "CPU",
+              "machine": {"device": torch.cuda.get_device_name(0) if device.type == "cuda"
+                          else platform.processor() or "CPU",
                           "torch": torch.__version__, "platform": platform.platform(),
                           "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
-              "command": "python " + " ".join(["benchmarks/gpu_scale.py", *(argv if argv is not None else sys.argv[1:])]),
+              "command": " ".join(["python benchmarks/gpu_scale.py", *(argv if argv is not None else sys.argv[1:])]),
               "costs_ms": costs, **implied(costs)}
     print(markdown(result))
     if args.out:

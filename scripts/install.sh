@@ -10,3 +10,9 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.
   "$PY" -m pip install --quiet --disable-pip-version-check torch==2.13.0
 fi
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+
+# The service's session store (dflash serve starts it; the service tests start their own).
+if ! command -v redis-server >/dev/null 2>&1; then
+  SUDO=$([ "$(id -u)" -eq 0 ] && echo "" || echo sudo)
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server
+fi

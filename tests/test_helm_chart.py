@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm"
 CRD_SCHEMA = REPO.parent / "shared" / "schemas" / "rayservice-v1.openapi.json"
 VARIANTS = ["default"] + sorted(p.name.removesuffix("-values.yaml") for p in (CHART / "ci").glob("*-values.yaml"))
-KUBE_VERSION = "1.33"  # kubernetes-validate schema version the objects must satisfy
+KUBE_VERSIONS = ("1.27.0", "1.37.0")  # the chart's kubeVersion floor and the newest schemas kubernetes-validate has
 
 
 def variant_values(variant: str) -> dict:
@@ -95,7 +95,7 @@ def test_lint_has_no_warnings(variant):
 def test_renders_the_expected_objects(variant):
     kinds = sorted(o["kind"] for o in variant_objects(variant))
     internal_redis = variant_values(variant).get("redis", {}).get("mode", "internal") == "internal"
-    expected = ["NetworkPolicy", "Pod", "RayService", "ServiceAccount"]
+    expected = ["NetworkPolicy", "Pod", "RayService", "Service", "ServiceAccount"]
     if internal_redis:
         expected += ["NetworkPolicy", "Secret", "Service", "StatefulSet"]
     assert kinds == sorted(expected)
@@ -109,7 +109,8 @@ def test_standard_objects_pass_kubernetes_validate_strict(variant):
     for obj in variant_objects(variant):
         if obj["apiVersion"] == "ray.io/v1":
             continue
-        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
 
 
 def unknown_fields(value, schema: dict, path: str = "") -> list[str]:
@@ -134,12 +135,25 @@ def unknown_fields(value, schema: dict, path: str = "") -> list[str]:
 def test_rayservice_matches_kuberay_schema(variant):
     if not CRD_SCHEMA.is_file():
         pytest.skip(f"KubeRay's RayService schema is not here ({CRD_SCHEMA}): shared/ is not beside the repo")
+    spec_schema = crd_spec_schema()
+    rs = rayservice(variant)
+    crd_validator().validate(rs["spec"])
+    assert unknown_fields(rs["spec"], spec_schema, "spec") == []
+
+
+@functools.cache
+def crd_spec_schema() -> dict:
+    return json.loads(CRD_SCHEMA.read_text())["properties"]["spec"]
+
+
+@functools.cache
+def crd_validator():
     import jsonschema
 
-    schema = json.loads(CRD_SCHEMA.read_text())
-    rs = rayservice(variant)
-    jsonschema.validate(rs["spec"], schema["properties"]["spec"])
-    assert unknown_fields(rs["spec"], schema["properties"]["spec"], "spec") == []
+    schema = crd_spec_schema()
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
+    cls.check_schema(schema)
+    return cls(schema)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -193,6 +207,17 @@ def test_service_config_builds_the_deployment_graph(variant):
         assert auto is not None and auto.min_replicas <= auto.max_replicas
 
 
+def test_colocated_mode_has_no_drafter_group():
+    from dflash.service.config import ServiceConfig
+
+    objs = objects(render({"mode": "colocated"}))
+    rs = one(objs, "RayService")
+    assert [g["groupName"] for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]] == ["verifier"]
+    (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+    assert ServiceConfig.from_dict(app["args"]).mode == "colocated"
+    assert {d.name for d in build_graph(app).deployments} == {"ingress", "verifier"}
+
+
 def ray_resources(group: dict) -> dict:
     raw = group["rayStartParams"].get("resources")
     return json.loads(json.loads(raw)) if raw else {}  # KubeRay wants the JSON quoted once more
@@ -220,17 +245,16 @@ def test_grpc_servicers_are_the_services():
 
 
 def test_secrets_and_per_pod_values_reach_the_service_config():
-    """The DFLASH_* variables on the Ray containers are keys the service's config accepts."""
-    from dflash.service.config import ServiceConfig, _env_items, _set_dotted
+    """The DFLASH_* variables on the Ray containers (secrets, the pod's address) are keys the
+    service's config accepts; secret values are stand-ins here."""
+    from dflash.service.config import load_config
 
     for variant in VARIANTS:
         for group in groups(variant).values():
-            env = {e["name"]: e.get("value", "secret") for e in group["template"]["spec"]["containers"][0]["env"]}
-            tree: dict = {}
-            for key, value in _env_items({k: v for k, v in env.items() if k.startswith("DFLASH_")}):
-                _set_dotted(tree, key, value)
-            ServiceConfig.from_dict(tree)
-            assert "DFLASH_REDIS__URL" in env
+            env = {e["name"]: e.get("value", "from-a-secret") for e in group["template"]["spec"]["containers"][0]["env"]}
+            dflash_env = {k: v for k, v in env.items() if k.startswith("DFLASH_")}
+            config = load_config(env=dflash_env)
+            assert config.redis.url and config.drafter_net.host == "$(POD_IP)"
 
 
 # --- the shape the issue asks for --------------------------------------------------------------------
@@ -246,8 +270,11 @@ def test_gpu_split(variant):
     for role in ("verifier", "drafter"):
         spec = g[role]["template"]["spec"]
         limits = spec["containers"][0]["resources"]["limits"]
+        wanted = values.get(role, {}).get("pods", {}).get("nodeSelector")
+        if wanted is not None:  # exactly the variant's selector: Helm merges maps with the defaults
+            assert spec.get("nodeSelector", {}) == {k: v for k, v in wanted.items() if v is not None}
         if cpu_only:
-            assert "nvidia.com/gpu" not in limits
+            assert "nvidia.com/gpu" not in limits and "nodeSelector" not in spec
             continue
         assert limits["nvidia.com/gpu"] >= 1
         assert spec["nodeSelector"], f"{role} pods need their GPU node group"
@@ -263,17 +290,25 @@ def test_grpc_port_is_exposed_as_serve_grpc(variant):
     for group in groups_of(rs):
         ports = {p["name"]: p["containerPort"] for p in group["template"]["spec"]["containers"][0]["ports"]}
         assert ports["serve-grpc"] == port
-    (svc_port,) = rs["spec"]["serveService"]["spec"]["ports"]
+    # KubeRay's serve Service keeps only the HTTP port named "serve": the chart's own Service carries gRPC
+    # to the Ray pods whose proxy KubeRay marked healthy.
+    svc = one(variant_objects(variant), "Service", "-grpc")
+    (svc_port,) = svc["spec"]["ports"]
     assert (svc_port["name"], svc_port["targetPort"], svc_port["port"]) == ("serve-grpc", "serve-grpc", port)
+    ray_labels = groups(variant)["head"]["template"]["metadata"]["labels"]
+    selector = dict(svc["spec"]["selector"])
+    assert selector.pop("ray.io/serve") == "true"
+    assert selector.items() <= ray_labels.items()
     assert rs["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
 
 
 def test_names_fit_kuberay_limits():
     long_release = "a-very-long-release-name-for-a-customer-cluster-prod"
-    rs = one(objects(render({}, release=long_release)), "RayService")
-    name = rs["metadata"]["name"]
+    objs = objects(render({}, release=long_release))
+    name = one(objs, "RayService")["metadata"]["name"]
     assert len(name) <= 47 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name)
-    assert len(rs["spec"]["serveService"]["metadata"]["name"]) <= 63
+    assert len(name + "-serve-svc") <= 63  # the Service KubeRay derives from it
+    assert all(len(o["metadata"]["name"]) <= 63 for o in objs)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -379,13 +414,13 @@ def test_helm_test_pod_runs_a_generate_call():
     container = pod["spec"]["containers"][0]
     assert "GenerationStub" in container["args"][0] and ".Generate(" in container["args"][0]
     env = env_of(container)
-    assert env["TARGET"]["value"] == f"{rayservice('gpu-split')['spec']['serveService']['metadata']['name']}:9000"
+    assert env["TARGET"]["value"] == f"{one(variant_objects('gpu-split'), 'Service', '-grpc')['metadata']['name']}:9000"
     assert "AUTH_TOKEN" in env
 
 
 def test_notes_show_port_forward_and_grpcurl():
     notes = render({})["dflash/templates/NOTES.txt"]
-    assert "kubectl -n dflash port-forward svc/dflash-serve-svc 9000:9000" in notes
+    assert "kubectl -n dflash port-forward svc/dflash-grpc 9000:9000" in notes
     assert "grpcurl -plaintext" in notes and "dflash.v1.Generation/Generate" in notes
 
 

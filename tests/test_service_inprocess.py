@@ -181,9 +181,10 @@ def test_one_trace_per_request_with_rounds_and_drafter_spans(service):
     assert root.attributes["gen_ai.usage.input_tokens"] == len(PROMPTS[2])
     rounds = [s for s in spans if s.name == "dflash.round"]
     drafts = [s for s in spans if s.name == "dflash.draft"]
-    assert len(rounds) == len(chunks) and len(drafts) == len(chunks) - 1  # prefill round drafts nothing
+    drafted = [s for s in rounds if s.attributes["dflash.round.draft_tokens"] > 0]  # not the prefill, nor a 1-token tail
+    assert len(rounds) == len(chunks) and len(drafts) == len(drafted) >= len(chunks) - 2
     assert {s.context.trace_id for s in spans} == {root.context.trace_id}
     round_ids = {s.context.span_id for s in rounds}
     assert all(s.parent.span_id == root.context.span_id for s in rounds)
     assert all(s.parent.span_id in round_ids for s in drafts)
-    assert all(s.attributes["dflash.drafter.replica"] for s in rounds[1:])
+    assert all(s.attributes["dflash.drafter.replica"] for s in drafted)

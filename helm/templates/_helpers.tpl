@@ -75,9 +75,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- .Values.redis.auth.existingSecret | default (include "dflash.redisName" .) }}
 {{- end }}
 
-{{/* The public gRPC Service (KubeRay's serve service, with our port). */}}
+{{/* The public gRPC Service (service-grpc.yaml). */}}
 {{- define "dflash.grpcServiceName" -}}
-{{- printf "%s-serve-svc" (include "dflash.fullname" .) }}
+{{- printf "%s-grpc" (include "dflash.fullname" .) }}
 {{- end }}
 
 {{- define "dflash.podSecurityContext" -}}

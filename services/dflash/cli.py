@@ -6,9 +6,9 @@ import argparse
 import sys
 
 from .errors import DFlashError
-from .commands import bench, demo, generate, train
+from .commands import bench, client, demo, generate, serve, train
 
-COMMANDS = (generate, train, demo, bench)
+COMMANDS = (generate, train, demo, bench, serve, client)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,8 +15,19 @@ from ..errors import DFlashError
 CONNECT_TIMEOUT_S = 5.0
 
 
-def connect(address: str, timeout_s: float = CONNECT_TIMEOUT_S):
-    """A `GenerationStub` on `address` (host:port); DFlashError when nothing answers there."""
+class Client:
+    """A `Generation` stub and the call metadata (a bearer token when the service has auth on)."""
+
+    def __init__(self, stub, token: str = ""):
+        self.stub = stub
+        self.metadata = [("authorization", f"Bearer {token}")] if token else []
+
+    def generate(self, request, timeout_s: float):
+        return self.stub.Generate(request, metadata=self.metadata, timeout=timeout_s)
+
+
+def connect(address: str, token: str = "", timeout_s: float = CONNECT_TIMEOUT_S) -> Client:
+    """A client of the service at `address` (host:port); DFlashError when nothing answers there."""
     import grpc
 
     from ..api.v1 import generate_pb2_grpc
@@ -27,7 +38,7 @@ def connect(address: str, timeout_s: float = CONNECT_TIMEOUT_S):
     except grpc.FutureTimeoutError:
         channel.close()
         raise DFlashError(f"no gRPC service answers at {address} (start one with `dflash serve`)") from None
-    return generate_pb2_grpc.GenerationStub(channel)
+    return Client(generate_pb2_grpc.GenerationStub(channel), token)
 
 
 @dataclass
@@ -62,7 +73,7 @@ def make_request(prompt, max_new_tokens, temperature, seed, block_size):
     return generate_pb2.GenerateRequest(**kwargs)
 
 
-def stream_request(stub, prompt_ids, max_new_tokens, temperature, seed, block_size=None, timeout_s=600.0,
+def stream_request(client: Client, prompt_ids, max_new_tokens, temperature, seed, block_size=None, timeout_s=600.0,
                    deadline: float | None = None) -> Record:
     """Stream one `Generate` call; stop listening (cancel) at `deadline` (perf_counter time) if given."""
     import grpc
@@ -70,7 +81,7 @@ def stream_request(stub, prompt_ids, max_new_tokens, temperature, seed, block_si
     rec = Record()
     start = time.perf_counter()
     first_at = last_at = None
-    call = stub.Generate(make_request(prompt_ids, max_new_tokens, temperature, seed, block_size), timeout=timeout_s)
+    call = client.generate(make_request(prompt_ids, max_new_tokens, temperature, seed, block_size), timeout_s)
     try:
         for chunk in call:
             now = time.perf_counter()
@@ -104,6 +115,7 @@ class LoadSettings:
     max_new_tokens: int = 128
     temperature: float = 0.0
     block_size: int | None = None
+    token: str = ""
 
 
 def run_load(settings: LoadSettings, prompts: list) -> dict:
@@ -114,22 +126,25 @@ def run_load(settings: LoadSettings, prompts: list) -> dict:
     """
     if not prompts:
         raise DFlashError("the load mode needs at least one prompt")
-    stub = connect(settings.address)
+    client = connect(settings.address, settings.token)
     records: list[Record] = []
     lock = threading.Lock()
     start = time.perf_counter()
     deadline = start + settings.duration_s
 
-    def client(k: int) -> None:
+    def worker(k: int) -> None:
         i = k
         while time.perf_counter() < deadline:
-            rec = stream_request(stub, prompts[i % len(prompts)], settings.max_new_tokens, settings.temperature,
-                                 seed=i, block_size=settings.block_size, deadline=deadline)
+            try:
+                rec = stream_request(client, prompts[i % len(prompts)], settings.max_new_tokens,
+                                     settings.temperature, seed=i, block_size=settings.block_size, deadline=deadline)
+            except Exception as exc:  # a client bug must show up in the result, not vanish with its thread
+                rec = Record(error=f"CLIENT: {type(exc).__name__}: {exc}")
             with lock:
                 records.append(rec)
             i += settings.clients
 
-    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(settings.clients)]
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(settings.clients)]
     for t in threads:
         t.start()
     for t in threads:
@@ -166,12 +181,12 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def format_load(result: dict) -> str:
     t, p = result["ttft_ms"], result["tpot_ms"]
-    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"
     lines = [
-        f"| clients | requests (done) | tokens/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | errors |",
+        "| clients | requests (done) | tokens/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | errors |",
         "|---|---|---|---|---|---|",
-        f"| {result['clients']} | {result['requests']} ({result['completed']}) | {result['tokens_per_s']:.1f} "
-        f"| {fmt(t['p50'])} / {fmt(t['p99'])} | {fmt(p['p50'])} / {fmt(p['p99'])} "
-        f"| {sum(result['errors'].values()) or 0} {result['errors'] or ''} |",
+        (f"| {result['clients']} | {result['requests']} ({result['completed']}) | {result['tokens_per_s']:.1f} "
+         f"| {fmt(t['p50'])} / {fmt(t['p99'])} | {fmt(p['p50'])} / {fmt(p['p99'])} "
+         f"| {sum(result['errors'].values()) or 0} {result['errors'] or ''} |"),
     ]
     return "\n".join(lines)

@@ -189,18 +189,19 @@ def prompt_lookup(model, pad_token_id=None, num_tokens: int = 10) -> HFMethod:
 class ServiceMethod:
     """DFlash through a running `dflash serve` (gRPC `Generate`, streamed); times are the client's."""
 
-    def __init__(self, name: str, address: str, block_size: int | None = None, timeout_s: float = 600.0):
+    def __init__(self, name: str, address: str, block_size: int | None = None, token: str = "",
+                 timeout_s: float = 600.0):
         from .load import connect
 
         self.name = name
-        self.stub = connect(address)
+        self.client = connect(address, token)
         self.block_size = block_size
         self.timeout_s = timeout_s
 
     def run(self, prompt_ids, max_new_tokens, temperature, seed) -> Sample:
         from .load import stream_request
 
-        record = stream_request(self.stub, prompt_ids, max_new_tokens, temperature, seed, self.block_size,
+        record = stream_request(self.client, prompt_ids, max_new_tokens, temperature, seed, self.block_size,
                                 self.timeout_s)
         if record.error:
             raise RuntimeError(f"service error: {record.error}")
@@ -212,11 +213,12 @@ class ServiceMethod:
 
 
 def build_methods(keys, engine: SpeculativeEngine, baseline: SpeculativeEngine, ar_model, service: str | None,
-                  assist_tokens: int | None = None, lookup_tokens: int = 10) -> tuple[list, dict[str, str]]:
+                  assist_tokens: int | None = None, lookup_tokens: int = 10,
+                  service_token: str = "") -> tuple[list, dict[str, str]]:
     """The methods named by `keys` (see commands/bench.py), and {name: reason} for those that cannot run.
 
     `baseline` is the target-only engine (block 1); `ar_model` the assisted-generation draft model or a
-    string saying why there is none; `service` a host:port or None.
+    string saying why there is none; `service` a host:port or None (`service_token`: its bearer token).
     """
     from ..errors import DFlashError
 
@@ -250,7 +252,7 @@ def build_methods(keys, engine: SpeculativeEngine, baseline: SpeculativeEngine, 
                 unavailable[name] = "no service given: start `dflash serve` and pass --service HOST:PORT"
                 continue
             try:
-                methods.append(ServiceMethod(name, service, block_size=16))
+                methods.append(ServiceMethod(name, service, block_size=16, token=service_token))
             except (DFlashError, ImportError, RuntimeError) as exc:
                 unavailable[name] = str(exc)
     return methods, unavailable

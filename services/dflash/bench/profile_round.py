@@ -192,8 +192,10 @@ def format_profile(p: RoundProfile, tau: float | None = None) -> str:
     notes.append(f"Largest part: {biggest[1]} ({100 * p.parts_ms[biggest[0]] / total:.0f}% of the round).")
     if p.target_step_ms:
         rel = p.round_ms / p.target_step_ms
+        at_tau = f" = {tau / rel:.2f}x at the measured tau {tau:.2f}." if tau else "."
         notes.append(f"A target-only round costs {p.target_step_ms:.2f} ms; a DFlash round costs {rel:.2f}x that, "
-                     f"so speedup = tau / {rel:.2f}" + (f" = {tau / rel:.2f}x at the measured tau {tau:.2f}." if tau else "."))
+                     f"so speedup = tau / {rel:.2f}{at_tau}")
         if tau:
-            notes.append(f"For a 3x speedup at tau {tau:.2f}, the round must cost at most {tau / 3:.2f}x a target step.")
+            notes.append(f"For a 3x speedup at tau {tau:.2f}, the round must cost at most {tau / 3:.2f}x "
+                         "a target step.")
     return "\n".join(lines + notes)

@@ -48,7 +48,7 @@ def _row(name, temperature, samples, ref, ref_rate, is_reference) -> dict:
     hist = Counter(k for s in samples for k in s.committed)
     rounds = sum(hist.values())
     drafted = [s for s in samples if s.draft_s is not None]
-    per_round = lambda total: round(1000 * total / rounds, 3) if rounds else None  # noqa: E731
+    per_round = lambda total: round(1000 * total / rounds, 3) if rounds else None
     decode_s = sum(s.decode_s for s in samples)
     draft_s = sum(s.draft_s for s in drafted) if drafted else None
     verify_s = sum(s.verify_s for s in samples)
@@ -85,7 +85,8 @@ def markdown_table(rows: list[dict]) -> str:
     for r in rows:
         t = "-" if r["temperature"] is None else f"{r['temperature']:g}"
         if "unavailable" in r:
-            lines.append(f"| {r['method']} | {t} | unavailable: {_one_line(r['unavailable'])} |" + " |" * (len(COLUMNS) - 3))
+            reason = _one_line(r["unavailable"])
+            lines.append(f"| {r['method']} | {t} | unavailable: {reason} |" + " |" * (len(COLUMNS) - 3))
             continue
         cells = [r["method"], t, f"{r['decode_tokens_per_s']:.1f}", _num(r["speedup"], "x"), _num(r["tau"]),
                  _num(r["ttft_ms"]["p50"]), _num(r["tpot_ms"]["p50"]), _num(r["draft_ms_per_round"]),
@@ -192,7 +193,8 @@ def _plot_histograms(path, rows, temps) -> None:
             hist = {int(k): v for k, v in r["acceptance_histogram"].items()}
             total = sum(hist.values())
             ks = range(1, max(hist) + 1)
-            ax.plot(ks, [hist.get(k, 0) / total for k in ks], marker="o", ms=3, label=f"{r['method']} (tau {r['tau']:.2f})")
+            ax.plot(ks, [hist.get(k, 0) / total for k in ks], marker="o", ms=3,
+                    label=f"{r['method']} (tau {r['tau']:.2f})")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(f"tokens committed per round, T={t:g}")
         ax.set_xlabel("committed tokens (bonus included)")

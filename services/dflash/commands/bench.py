@@ -40,13 +40,16 @@ def register(sub) -> None:
     add_model_args(p)
     p.add_argument("--ar-draft", help="autoregressive draft model for transformers assisted generation "
                                       "(default with the demo pair: its same-budget AR draft)")
-    p.add_argument("--prompts", type=Path, help="JSONL file, one {\"prompt\": ...} per line (default: held-out stdlib prompts)")
+    p.add_argument("--prompts", type=Path,
+                   help="JSONL file, one {\"prompt\": ...} per line (default: held-out stdlib prompts)")
     p.add_argument("--num-prompts", type=int, help="prompts to use (default 24; --quick 4)")
     p.add_argument("--max-new-tokens", type=int, help="tokens per prompt (default 128; --quick 64)")
     p.add_argument("--temperatures", default="0,1", help="comma-separated (default 0,1); 0 is greedy")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
     p.add_argument("--service", metavar="HOST:PORT", help="a running `dflash serve` for the service method and --load")
-    p.add_argument("--assist-tokens", type=int, help="draft tokens per assisted round (default: transformers' own schedule)")
+    p.add_argument("--service-token", default="", help="bearer token for a service with auth on")
+    p.add_argument("--assist-tokens", type=int,
+                   help="draft tokens per assisted round (default: transformers' own schedule)")
     p.add_argument("--lookup-tokens", type=int, default=10, help="prompt-lookup tokens per round (default 10)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default bench-results)")
     p.add_argument("--quick", action="store_true", help="a few prompts and tokens: a few minutes on a laptop CPU")
@@ -68,6 +71,12 @@ def resolve(args: argparse.Namespace) -> BenchArgs:
         temperatures = tuple(float(t) for t in args.temperatures.split(","))
     except ValueError:
         raise DFlashError(f"--temperatures: expected numbers like 0,1, got {args.temperatures!r}") from None
+    if any(t < 0 for t in temperatures):
+        raise DFlashError(f"--temperatures must be >= 0, got {args.temperatures!r}")
+    for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
+                        ("--load", args.load), ("--duration", args.duration)):
+        if value is not None and value <= 0:
+            raise DFlashError(f"{flag} must be positive, got {value}")
     return BenchArgs(
         num_prompts=args.num_prompts or (4 if args.quick else 24),
         max_new_tokens=args.max_new_tokens or (64 if args.quick else 128),
@@ -105,31 +114,32 @@ def read_prompts(args: argparse.Namespace, n: int) -> list[str]:
 
 
 def run_compare(args: argparse.Namespace, settings: BenchArgs) -> int:
+    from transformers.utils import logging as hf_logging
+
     from ..bench.methods import build_methods
     from ..bench.report import machine, markdown_table, summarize, write_outputs
     from ..bench.runner import BenchSettings, run_bench
-    from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # transformers' deprecation chatter would break up the progress bar
-
     target, drafter = model_dirs(args)
     ar_draft = args.ar_draft or (DEMO_AR_DRAFT if args.target is None else None)
     engine, baseline, ar_model = load_models(target, drafter, ar_draft, args)
     prompts = [engine.encode(p) for p in read_prompts(args, settings.num_prompts)]
-    methods, unavailable = build_methods(settings.methods, engine, baseline, ar_model, args.service,
-                                         args.assist_tokens, args.lookup_tokens)
     if args.profile:
         print(profile_text(engine, baseline, prompts[0], settings, None))
         return 0
+    methods, unavailable = build_methods(settings.methods, engine, baseline, ar_model, args.service,
+                                         args.assist_tokens, args.lookup_tokens, args.service_token)
     bench = run_bench(methods, prompts, BenchSettings(settings.max_new_tokens, settings.temperatures))
     rows = summarize(bench, REFERENCE, unavailable)
     print(markdown_table(rows))
-    profile = None if args.no_profile or engine.drafter is None else profile_text(
-        engine, baseline, prompts[0], settings, _tau(rows, engine.drafter.block_size))
-    if profile:
+    profile = None
+    if not args.no_profile and engine.drafter is not None:
+        profile = profile_text(engine, baseline, prompts[0], settings, _tau(rows, engine.drafter.block_size))
         print("\n" + profile)
-    meta = {"command": command_line(args), "machine": machine(), "models": {"target": str(target), "drafter": str(drafter), "ar_draft": str(ar_draft)},
-            "settings": settings.__dict__, "prompts": len(prompts), "profile": profile}
+    meta = {"command": command_line(args), "machine": machine(), "settings": settings.__dict__,
+            "models": {"target": str(target), "drafter": str(drafter), "ar_draft": str(ar_draft)},
+            "prompts": len(prompts), "profile": profile}
     paths = write_outputs(args.out, rows, meta, profile)
     print("\nwrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
@@ -146,7 +156,7 @@ def command_line(args: argparse.Namespace) -> str:
             continue
         words.append("--" + key.replace("_", "-"))
         if value is not True:
-            words.append(str(value))
+            words.append("<token>" if key == "service_token" else str(value))
     return shlex.join(words)
 
 
@@ -163,8 +173,8 @@ def load_models(target, drafter, ar_draft, args):
     baseline = SpeculativeEngine(TargetModel(model), None, engine.tokenizer, engine.eos_token_ids)
     if ar_draft is None:
         ar_model = "no autoregressive draft model given (--ar-draft DIR)"
-    elif not (Path(ar_draft) / "config.json").is_file():
-        ar_model = f"no autoregressive draft model at {ar_draft} (build the demo assets or pass --ar-draft)"
+    elif ar_draft == DEMO_AR_DRAFT and not (ar_draft / "config.json").is_file():
+        ar_model = f"the demo's autoregressive draft model is missing ({ar_draft}); rebuild with `dflash demo build`"
     else:
         ar_model, _ = load_target(ar_draft, resolve_device(args.device), model.dtype)
     return engine, baseline, ar_model
@@ -192,7 +202,7 @@ def run_load_mode(args: argparse.Namespace, settings: BenchArgs) -> int:
     if not args.service:
         raise DFlashError("--load needs --service HOST:PORT of a running `dflash serve`")
     load = LoadSettings(args.service, args.load, settings.duration_s, settings.max_new_tokens,
-                        settings.temperatures[0])
+                        settings.temperatures[0], token=args.service_token)
     result = run_load(load, read_prompts(args, settings.num_prompts))
     print(format_load(result))
     args.out.mkdir(parents=True, exist_ok=True)

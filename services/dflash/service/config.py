@@ -56,7 +56,7 @@ class DeploymentConfig:
     autoscaling_config: dict | None = None  # Ray Serve's autoscaling_config; replaces num_replicas
     ray_actor_options: dict = field(default_factory=lambda: {"num_cpus": 0.5})
     max_ongoing_requests: int = 8
-    max_queued_requests: int = 16
+    max_queued_requests: int = 64  # beyond this, RESOURCE_EXHAUSTED (-1: unbounded)
 
     def serve_options(self) -> dict:
         """Keyword arguments for `Deployment.options`."""

@@ -27,9 +27,12 @@ class Rejected(Exception):
     """A request answered with a gRPC error: `code` is a grpc.StatusCode name."""
 
     def __init__(self, code: str, message: str):
-        super().__init__(message)
+        super().__init__(code, message)  # both in args, so the exception survives pickling across Ray
         self.code = code
         self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 OpenStream = Callable[[VerifyRequest, dict], AsyncIterator]

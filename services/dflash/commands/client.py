@@ -1,0 +1,51 @@
+"""`dflash client "prompt"`: stream one generation from a running `dflash serve`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import DFlashError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("client", help="stream a generation from a dflash server over gRPC")
+    p.add_argument("prompt", help="prompt text")
+    p.add_argument("--server", default="127.0.0.1:9000", help="host:port of the server (default 127.0.0.1:9000)")
+    p.add_argument("--token", default="", help="bearer token when the server has auth on (or DFLASH_TOKEN)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--block-size", type=int, default=None)
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    import grpc
+
+    from ..service.client import GenerationClient
+
+    fields = {"prompt": args.prompt, "max_new_tokens": args.max_new_tokens, "stop": args.stop}
+    for name in ("temperature", "top_p", "top_k", "seed", "block_size"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    final = None
+    with GenerationClient(args.server, args.token or os.environ.get("DFLASH_TOKEN", "")) as client:
+        try:
+            for chunk in client.generate(**fields):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.HasField("final"):
+                    final = chunk.final
+        except grpc.RpcError as exc:
+            raise DFlashError(f"{exc.code().name}: {exc.details()}") from None
+    sys.stdout.write("\n")
+    if final is not None:
+        print(f"[{final.usage.completion_tokens} tokens, finish={final.finish_reason}] tau={final.tau:.2f} "
+              f"over {final.rounds} rounds | decode {final.decode_tokens_per_s:.1f} tok/s", file=sys.stderr)
+    return 0

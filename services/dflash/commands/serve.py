@@ -1,0 +1,55 @@
+"""`dflash serve`: everything on one machine (local Ray, Redis, the demo pair), gRPC on 127.0.0.1."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the gRPC service (Ray Serve verifier + drafters, Redis sessions)",
+        description="With no arguments: local Ray, the built-in demo pair, a redis-server child process "
+        "(an in-process store when redis-server is not installed), gRPC on 127.0.0.1:9000. "
+        "Configuration: --config YAML < DFLASH_* environment < flags.",
+    )
+    p.add_argument("--config", help="YAML file with the service configuration (same tree as the Helm chart's)")
+    p.add_argument("--target", help="target model directory or hub id (default: the demo target)")
+    p.add_argument("--drafter", help="DFlash drafter directory or hub id (default: the demo drafter)")
+    p.add_argument("--device", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--mode", choices=("colocated", "disaggregated"), help="drafter inside the verifier, or separate replicas")
+    p.add_argument("--port", type=int, help="public gRPC port (default 9000)")
+    p.add_argument("--redis-url", help="use this Redis instead of starting one")
+    p.add_argument("--drafter-replicas", type=int, help="drafter replicas in disaggregated mode")
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs for local Ray (default: all)")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    from ..service.config import load_config
+    from ..service.launcher import start_local
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    config = load_config(args.config or os.environ.get("DFLASH_CONFIG"), overrides={
+        "model.target": args.target, "model.drafter": args.drafter, "model.device": args.device,
+        "mode": args.mode, "grpc_port": args.port, "redis.url": args.redis_url,
+        "drafter.num_replicas": args.drafter_replicas,
+    })
+    service = start_local(config, num_cpus=args.num_cpus)
+    print(f"dflash: serving dflash.v1.Generation on {service.address} ({service.config.mode}, "
+          f"sessions in {service.config.redis.url}); Ctrl-C stops", file=sys.stderr, flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        service.stop()
+    return 0

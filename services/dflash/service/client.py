@@ -1,0 +1,39 @@
+"""A small Python client for dflash.v1.Generation (used by `dflash client` and the tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from ..api.v1 import generate_pb2, generate_pb2_grpc
+
+
+class GenerationClient:
+    """Streams Generate chunks; `resume` reconnects to a session with the count of tokens received."""
+
+    def __init__(self, target: str = "127.0.0.1:9000", token: str = "", root_certificates: bytes | None = None,
+                 timeout_s: float | None = None):
+        if root_certificates is not None:
+            self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates))
+        else:
+            self.channel = grpc.insecure_channel(target)
+        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+        self.metadata = [("authorization", f"Bearer {token}")] if token else []
+        self.timeout_s = timeout_s
+
+    def generate(self, request: generate_pb2.GenerateRequest | None = None, **fields) -> Iterator[generate_pb2.GenerateChunk]:
+        request = request or generate_pb2.GenerateRequest(**fields)
+        return self.stub.Generate(request, metadata=self.metadata, timeout=self.timeout_s)
+
+    def resume(self, session_id: str, tokens_received: int) -> Iterator[generate_pb2.GenerateChunk]:
+        return self.generate(session_id=session_id, tokens_received=tokens_received)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "GenerationClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

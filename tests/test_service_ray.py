@@ -1,0 +1,213 @@
+"""The service on real Ray Serve (gRPC proxy), real gRPC clients and a real redis-server, over loopback.
+
+One Ray instance for the module (Ray on this 2-core machine costs tens of seconds to start); the
+application is deployed co-located first, then disaggregated with two drafter replicas.
+"""
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from dflash.api.v1 import generate_pb2
+from dflash.loading import build_engine
+from dflash.params import SamplingParams
+from dflash.service.client import GenerationClient
+from dflash.service.config import ServiceConfig
+from dflash.service.redis_process import free_port
+from service_fixtures import model_dirs, redis_server  # noqa: F401
+
+ray = pytest.importorskip("ray")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+PROMPTS = ["def f(x):\n    return", "import os\nprint(", "a = [1, 2, 3]\nb =", "class a:\n    def"]
+ACTOR = {"num_cpus": 0.1}
+
+
+def config_tree(model_dirs, redis_url, mode, **extra):
+    target, drafter = model_dirs
+    tree = {
+        "mode": mode, "grpc_port": PORT, "torch_threads": 1, "auth_token": "",
+        "model": {"target": str(target), "drafter": str(drafter), "device": "cpu", "dtype": "float32", "name": "tiny"},
+        "redis": {"url": redis_url},
+        "ingress": {"ray_actor_options": ACTOR},
+        "verifier": {"ray_actor_options": ACTOR, "max_ongoing_requests": 8, "max_queued_requests": -1},
+        "drafter": {"ray_actor_options": ACTOR, "num_replicas": 2},
+        "drafter_net": {"retry_after_s": 0.5, "timeout_s": 5.0},
+    }
+    tree.update(extra)
+    return ServiceConfig.from_dict(tree)
+
+
+PORT = free_port()
+
+
+@pytest.fixture(scope="module")
+def service(model_dirs, redis_server):
+    from dflash.service.launcher import start_local
+
+    svc = start_local(config_tree(model_dirs, redis_server.url, "colocated"), num_cpus=2)
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs):
+    return build_engine(model_dirs[0], model_dirs[1], device="cpu", dtype="float32")
+
+
+@pytest.fixture
+def client(service):
+    with GenerationClient(service.address, timeout_s=120) as c:
+        yield c
+
+
+def want(reference, prompt, n=24):
+    return reference.run(reference.encode(prompt), SamplingParams(max_new_tokens=n, ignore_eos=True)).token_ids
+
+
+def collect(stream):
+    chunks = []
+    for chunk in stream:
+        chunks.append((time.monotonic(), chunk))
+    return chunks
+
+
+def tokens(chunks):
+    return [t for _, c in chunks for t in c.token_ids]
+
+
+def test_concurrent_clients_get_the_engines_tokens_incrementally(service, client, reference):
+    results = {}
+
+    def one(prompt):
+        results[prompt] = collect(client.generate(prompt=prompt, max_new_tokens=24, ignore_eos=True))
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    for prompt in PROMPTS:
+        chunks = results[prompt]
+        assert tokens(chunks) == want(reference, prompt)
+        assert len(chunks) > 3 and chunks[-1][1].final.finish_reason == "length"
+        assert chunks[-1][1].final.usage.completion_tokens == 24 and chunks[0][1].session_id
+        assert chunks[-1][0] - chunks[0][0] > 0.01  # streamed round by round, not all at the end
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({}, "prompt"), ({"prompt": "x", "temperature": -0.5}, "temperature"), ({"prompt": "x", "top_p": 2.0}, "top_p"),
+    ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens"), ({"prompt": "x" * 300}, "prompt"),
+])
+def test_bad_requests_are_invalid_argument_naming_the_field(client, fields, named):
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.generate(**fields))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(named), err.value.details()
+
+
+def test_health_and_reflection(service):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(service.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        [answer] = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=30)
+        names = {s.name for s in answer.list_services_response.service}
+        assert "dflash.v1.Generation" in names
+
+
+def test_cancelled_stream_stops_and_server_keeps_serving(client, reference):
+    stream = client.generate(prompt=PROMPTS[0], max_new_tokens=200, ignore_eos=True)
+    next(stream)
+    stream.cancel()
+    with pytest.raises(grpc.RpcError):
+        list(stream)
+    assert tokens(collect(client.generate(prompt=PROMPTS[1], max_new_tokens=24, ignore_eos=True))) == want(reference, PROMPTS[1])
+
+
+def test_disaggregated_drafter_killed_and_verifier_killed(service, model_dirs, reference):
+    """Two drafter replicas: identical output; a drafter replica killed mid-stream; the verifier killed
+    mid-stream and the client resuming with its session id."""
+    verifier = {"ray_actor_options": ACTOR, "max_ongoing_requests": 4, "max_queued_requests": 1}
+    service.deploy(config_tree(model_dirs, service.config.redis.url, "disaggregated", verifier=verifier))
+    with GenerationClient(service.address, timeout_s=120) as client:
+        got, killed = [], None
+        stream = client.generate(prompt=PROMPTS[0], max_new_tokens=40, ignore_eos=True)
+        for chunk in stream:
+            got += chunk.token_ids
+            if chunk.round.index == 4 and chunk.round.drafter:
+                killed = chunk.round.drafter
+                kill_process_listening_on(killed)
+        assert got == want(reference, PROMPTS[0], 40) and killed
+
+        received, session = [], None
+        stream = client.generate(prompt=PROMPTS[3], max_new_tokens=40, ignore_eos=True)
+        with pytest.raises(grpc.RpcError):
+            for chunk in stream:
+                session = chunk.session_id
+                received += chunk.token_ids
+                if len(received) >= 10:
+                    kill_verifier_replica()
+        rest = resume_until_served(client, session, len(received))
+        assert received + rest == want(reference, PROMPTS[3], 40)
+
+
+def test_overload_is_resource_exhausted(service, client):
+    """The disaggregated deployment admits 4 running + 1 queued verifier requests."""
+    errors, lock = [], threading.Lock()
+
+    def one():
+        try:
+            list(client.generate(prompt=PROMPTS[2], max_new_tokens=60, ignore_eos=True))
+        except grpc.RpcError as exc:
+            with lock:
+                errors.append(exc.code())
+
+    threads = [threading.Thread(target=one) for _ in range(14)]  
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in errors
+
+
+def resume_until_served(client, session, received, timeout_s=180):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return tokens(collect(client.resume(session, received)))
+        except grpc.RpcError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+def kill_verifier_replica() -> None:
+    """ray.kill the verifier's replica actor (Serve starts a new one)."""
+    from ray.util.state import list_actors
+
+    for actor in list_actors(filters=[("state", "=", "ALIVE")]):
+        if actor.name and "#verifier#" in actor.name:
+            ray.kill(ray.get_actor(actor.name, namespace="serve"), no_restart=True)
+            return
+    raise AssertionError("no verifier replica found")
+
+
+def kill_process_listening_on(address: str) -> None:
+    """SIGKILL the drafter replica process serving `address` (a crash, not a clean stop)."""
+    import os
+    import signal
+
+    import psutil
+
+    port = int(address.rsplit(":", 1)[1])
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            os.kill(conn.pid, signal.SIGKILL)
+            return
+    raise AssertionError(f"nothing listens on {address}")
