@@ -71,6 +71,9 @@ def test_bench_quick_writes_table_json_plots(dirs, tmp_path, capsys):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     md = (out / "results.md").read_text()
     assert "![speedup](speedup.png)" in md and "dflash bench" in md and data["machine"]["cpu_count"]
+    assert "--quick" in data["command"] and "--max-new-tokens 12" in data["command"]
+    assert main([str(a) for a in args[:-4]] + ["--profile", "--device", "cpu"]) == 0  # the profile alone
+    assert "verify forward (target, block)" in capsys.readouterr().out
 
 
 def test_summarize_speedup_mismatch_and_broken_method():

@@ -6,6 +6,7 @@ context log), target-only fallback, resumption, and one trace per request with t
 """
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -188,3 +189,24 @@ def test_one_trace_per_request_with_rounds_and_drafter_spans(service):
     assert all(s.parent.span_id == root.context.span_id for s in rounds)
     assert all(s.parent.span_id in round_ids for s in drafts)
     assert all(s.attributes["dflash.drafter.replica"] for s in drafted)
+
+
+def test_cancelled_request_stops_and_frees_caches(service):
+    verifier, servers, store, _ = service
+    request = new_request(PROMPTS[1], 60)
+
+    async def consume_two():
+        got = []
+        async for chunk in iterate_in_thread(lambda cancelled: verifier.stream(request, None, cancelled)):
+            got.append(chunk)
+            if len(got) == 3:
+                break  # the client went away
+        return got
+
+    assert len(asyncio.run(consume_two())) == 3
+    for _ in range(100):  # the engine thread notices between rounds
+        if store.get(request.session_id).status == "cancelled":
+            break
+        time.sleep(0.05)
+    assert store.get(request.session_id).status == "cancelled"
+    assert all(not s.sessions.drafter._caches for s in servers)

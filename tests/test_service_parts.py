@@ -130,3 +130,18 @@ def test_unreachable_redis_is_a_clear_error():
     store = RedisSessionStore("redis://127.0.0.1:1/0", socket_timeout_s=0.5)
     with pytest.raises(StoreUnavailableError, match="unreachable"):
         store.get("x")
+
+
+def test_prometheus_metrics_record_rounds_requests_and_errors():
+    from dflash.service.metrics import ServiceMetrics
+
+    metrics = ServiceMetrics("prometheus")
+    metrics.record_round()
+    metrics.record_fallback()
+    metrics.record_request("finished", tau=3.5, tokens_per_s=120.0)
+    metrics.record_error("INVALID_ARGUMENT")
+    value = metrics.registry.get_sample_value
+    assert value("dflash_rounds_total") == 1 and value("dflash_drafter_fallbacks_total") == 1
+    assert value("dflash_requests_total", {"status": "finished"}) == 1
+    assert value("dflash_errors_total", {"code": "INVALID_ARGUMENT"}) == 1
+    assert value("dflash_tau_sum") == 3.5 and value("dflash_decode_tokens_per_second_count") == 1

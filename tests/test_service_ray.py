@@ -176,6 +176,37 @@ def test_overload_is_resource_exhausted(service, client):
     assert grpc.StatusCode.RESOURCE_EXHAUSTED in errors
 
 
+def test_redis_restart_keeps_sessions_and_outage_is_unavailable(service, client, redis_server, reference):
+    """Redis restarted mid-stream (AOF on): the session survives and the client gets all its tokens.
+    Redis down: UNAVAILABLE with a clear message and health NOT_SERVING; back up: served again."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    received, session = [], None
+    try:
+        for chunk in client.generate(prompt=PROMPTS[2], max_new_tokens=30, ignore_eos=True):
+            session = chunk.session_id
+            received += chunk.token_ids
+            if len(received) == 5:
+                redis_server.restart()
+        rest = []
+    except grpc.RpcError as exc:  # a round's write fell into the restart: resume
+        assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+        rest = resume_until_served(client, session, len(received))
+    assert received + rest == want(reference, PROMPTS[2], 30)
+
+    redis_server.stop()
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.generate(prompt=PROMPTS[1], max_new_tokens=8))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "Redis" in err.value.details()
+        with grpc.insecure_channel(service.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=60)
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        redis_server.start()
+    assert tokens(collect(client.generate(prompt=PROMPTS[1], max_new_tokens=24, ignore_eos=True))) == want(reference, PROMPTS[1])
+
+
 def resume_until_served(client, session, received, timeout_s=180):
     deadline = time.monotonic() + timeout_s
     while True:
@@ -189,11 +220,9 @@ def resume_until_served(client, session, received, timeout_s=180):
 
 def kill_verifier_replica() -> None:
     """ray.kill the verifier's replica actor (Serve starts a new one)."""
-    from ray.util.state import list_actors
-
-    for actor in list_actors(filters=[("state", "=", "ALIVE")]):
-        if actor.name and "#verifier#" in actor.name:
-            ray.kill(ray.get_actor(actor.name, namespace="serve"), no_restart=True)
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if "#verifier#" in actor["name"]:
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
             return
     raise AssertionError("no verifier replica found")
 

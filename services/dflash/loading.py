@@ -40,7 +40,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype | str:
 def load_target(path_or_id: str | Path, device: torch.device, dtype: torch.dtype | str):
     """Load any AutoModelForCausalLM and its tokenizer (None when the directory has none)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the loading bar would interleave with streamed text
     directory = resolve_dir(path_or_id, "target")
     if not (directory / "config.json").is_file():
         raise CheckpointError(f"target directory '{directory}' has no config.json")

@@ -44,11 +44,15 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return scores.log_softmax(dim=-1)
 
 
-def gumbel_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise of shape [vocab_size] for one absolute position, on the CPU."""
-    generator = torch.Generator().manual_seed(position_seed(seed, position))
-    uniform = torch.rand(vocab_size, generator=generator, dtype=torch.float64).clamp_(min=1e-300)
-    return -torch.log(-torch.log(uniform)).float()
+def gumbel_noise(seed: int, position: int, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Gumbel(0, 1) noise of shape [vocab_size] for one absolute position, drawn on `device`.
+
+    Drawn where the logits live, so a 150k-token vocabulary costs no host work or copy; the stream
+    depends only on (seed, position, device type), so outputs are reproducible per device type.
+    """
+    generator = torch.Generator(device=device).manual_seed(position_seed(seed, position))
+    uniform = torch.rand(vocab_size, generator=generator, device=device).clamp_(min=1e-20)
+    return -torch.log(-torch.log(uniform))
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int) -> torch.Tensor:
@@ -60,5 +64,6 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, seed: int, first
         return logits.argmax(dim=-1)
     logprobs = filter_logits(logits, params)
     vocab = logprobs.shape[-1]
-    noise = torch.stack([gumbel_noise(seed, first_position + i, vocab) for i in range(logprobs.shape[0])])
-    return (logprobs + noise.to(logprobs.device)).argmax(dim=-1)
+    device = logprobs.device
+    noise = torch.stack([gumbel_noise(seed, first_position + i, vocab, device) for i in range(logprobs.shape[0])])
+    return (logprobs + noise).argmax(dim=-1)

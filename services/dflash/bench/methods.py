@@ -130,7 +130,6 @@ class HFMethod:
         self.kwargs = generate_kwargs
         if draft_model is not None:
             self.kwargs["assistant_model"] = draft_model
-        self.drafts_with_model = draft_model is not None
 
     @torch.inference_mode()
     def run(self, prompt_ids, max_new_tokens, temperature, seed) -> Sample:
@@ -162,7 +161,7 @@ class HFMethod:
             decode_s=chunks[-1][0] - chunks[0][0],
             first_chunk=chunks[0][1],
             committed=[n for _, n in chunks[1:]],
-            draft_s=clock.decode_seconds("draft") if self.drafts_with_model else None,
+            draft_s=clock.decode_seconds("draft") if self.draft_model is not None else None,
             verify_s=clock.decode_seconds("target"),
         )
 

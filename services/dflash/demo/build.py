@@ -52,7 +52,7 @@ def stage_commands(work: Path) -> dict[str, list[str]]:
         ],
         "ar-draft": PY + [
             "dflash.demo.pretrain", "--out", str(work / "ar-draft"), "--tokenizer", str(work / "tokenizer"),
-            "--data", str(work / "ar-data.jsonl"), "--layers", "2", "--steps", "600", "--batch-size", "16",
+            "--data", str(work / "ar-data.jsonl"), "--layers", "2", "--steps", "1500", "--batch-size", "16",
             "--seq-len", "256", "--lr", "2e-3", "--min-lr-ratio", "0.1", "--warmup", "40", "--seed", str(SEED),
             "--checkpoint-every", "50", "--eval-every", "200", "--eval-windows", "32", "--threads", "1",
         ],

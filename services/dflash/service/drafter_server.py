@@ -127,6 +127,7 @@ class DrafterServer:
     def __init__(self, sessions: DraftSessions, store: SessionStore, host: str = "127.0.0.1", port: int = 0,
                  advertise_every_s: float = 1.0, workers: int = 4):
         self.store = store
+        self.sessions = sessions
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers),
             options=[("grpc.max_receive_message_length", 64 << 20)],

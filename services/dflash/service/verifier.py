@@ -71,6 +71,9 @@ class Verifier:
                     self._finish(record, out)
             if status != FINISHED:
                 status = CANCELLED
+        except GeneratorExit:  # the consumer went away between rounds
+            status = CANCELLED
+            raise
         finally:
             rounds.close()
             if status != FINISHED:
