@@ -210,3 +210,21 @@ def test_cancelled_request_stops_and_frees_caches(service):
         time.sleep(0.05)
     assert store.get(request.session_id).status == "cancelled"
     assert all(not s.sessions.drafter._caches for s in servers)
+
+
+def test_windowed_context_log_rebuild_keeps_output_exact(service):
+    """With the log bounded to 16 positions, a replica that takes over rebuilds from the window only:
+    its drafts may differ, the output may not."""
+    from dflash.service import codec
+
+    verifier, servers, store, reference = service
+    verifier.engine.drafter.context_window = 16
+    request, got, killed = new_request(PROMPTS[0], 40), [], False
+    for chunk in verifier.stream(request):
+        got += chunk.token_ids
+        if chunk.round.index == 20 and not killed:
+            [s.stop() for s in servers if s.address == chunk.round.drafter]
+            killed = True
+            rows = [codec.unpack_log_entry(e)[1].shape[0] for e in store.context_log(request.session_id)]
+            assert 16 <= sum(rows) < len(PROMPTS[0])  # the prompt entry is gone
+    assert killed and got == expected(reference, PROMPTS[0], 40).token_ids

@@ -43,11 +43,20 @@ def config_tree(model_dirs, redis_url, mode, **extra):
 PORT = free_port()
 
 
+START_ERROR = []  # pytest retries a failed module fixture for every test; Ray's start is too slow to retry
+
+
 @pytest.fixture(scope="module")
 def service(model_dirs, redis_server):
     from dflash.service.launcher import start_local
 
-    svc = start_local(config_tree(model_dirs, redis_server.url, "colocated"), num_cpus=2)
+    if START_ERROR:
+        pytest.fail(f"the service did not start: {START_ERROR[0]}")
+    try:
+        svc = start_local(config_tree(model_dirs, redis_server.url, "colocated"), num_cpus=2)
+    except Exception as exc:
+        START_ERROR.append(f"{type(exc).__name__}: {exc}")
+        raise
     yield svc
     svc.stop()
 
@@ -147,12 +156,13 @@ def test_disaggregated_drafter_killed_and_verifier_killed(service, model_dirs, r
 
         received, session = [], None
         stream = client.generate(prompt=PROMPTS[3], max_new_tokens=40, ignore_eos=True)
-        with pytest.raises(grpc.RpcError):
+        with pytest.raises(grpc.RpcError) as lost:
             for chunk in stream:
                 session = chunk.session_id
                 received += chunk.token_ids
                 if len(received) >= 10:
                     kill_verifier_replica()
+        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE and "session_id" in lost.value.details()
         rest = resume_until_served(client, session, len(received))
         assert received + rest == want(reference, PROMPTS[3], 40)
 
@@ -220,11 +230,12 @@ def resume_until_served(client, session, received, timeout_s=180):
 
 def kill_verifier_replica() -> None:
     """ray.kill the verifier's replica actor (Serve starts a new one)."""
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if "#verifier#" in actor["name"]:
+    names = ray.util.list_named_actors(all_namespaces=True)
+    for actor in names:
+        if "verifier" in actor["name"]:
             ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
             return
-    raise AssertionError("no verifier replica found")
+    raise AssertionError(f"no verifier replica among {names}")
 
 
 def kill_process_listening_on(address: str) -> None:

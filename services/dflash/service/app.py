@@ -9,8 +9,11 @@ Drafter replicas serve the internal Drafter API on their own ports and advertise
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
@@ -65,19 +68,22 @@ class IngressDeployment:
                 yield item
         except BackPressureError:
             yield StreamError("RESOURCE_EXHAUSTED", "server: too many requests in flight; retry with backoff")
+        except RayActorError:
+            yield StreamError("UNAVAILABLE", "verifier: the replica serving this request was lost; reconnect with "
+                              "session_id and tokens_received to get the rest")
 
-    def Check(self, request, grpc_context):
+    async def Check(self, request, grpc_context):
         from grpc_health.v1 import health_pb2
 
         try:
-            self.store.ping()
+            await asyncio.to_thread(self.store.ping)
             status = health_pb2.HealthCheckResponse.SERVING
         except Exception:  # the store is down: alive, but not ready to serve
             status = health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request, grpc_context):
-        yield self.Check(request, grpc_context)
+        yield await self.Check(request, grpc_context)
 
 
 @serve.deployment(name="verifier")
