@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# Sets up this checkout and streams a generation from the built-in demo pair (DFlash vs target alone).
+# Sets up this machine, serves the built-in demo pair (local Ray Serve + Redis + gRPC on 127.0.0.1:9000)
+# and streams one generation from it with `dflash client`; then stops the server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 prompt=${1:-"def fibonacci(n):"}
-echo "== DFlash (block 16) =="
-dflash generate "$prompt" --max-new-tokens 160
-echo "== target alone (--block-size 1) =="
-dflash generate "$prompt" --max-new-tokens 160 --block-size 1
+log=$(mktemp -t dflash-serve.XXXXXX.log)
+dflash serve > "$log" 2>&1 &
+server=$!
+trap 'kill -INT $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+echo "starting dflash serve (log: $log) ..."
+for _ in $(seq 1 150); do
+  if dflash client "x" --max-new-tokens 1 > /dev/null 2>&1; then break; fi
+  if ! kill -0 $server 2>/dev/null; then cat "$log"; exit 1; fi
+  sleep 2
+done
+dflash client "$prompt" --max-new-tokens 160

@@ -145,3 +145,21 @@ def test_prometheus_metrics_record_rounds_requests_and_errors():
     assert value("dflash_requests_total", {"status": "finished"}) == 1
     assert value("dflash_errors_total", {"code": "INVALID_ARGUMENT"}) == 1
     assert value("dflash_tau_sum") == 3.5 and value("dflash_decode_tokens_per_second_count") == 1
+
+
+def test_replica_config_layers_its_environment_over_the_args():
+    """The chart passes secrets and the pod address as DFLASH_* variables; each replica reads them."""
+    from dflash.service.config import ConfigError, ServiceConfig
+
+    args = {"mode": "disaggregated", "redis": {"url": "redis://args:6379/0"}}
+    env = {"DFLASH_REDIS__URL": "redis://secret:6379/1", "DFLASH_AUTH_TOKEN": "0123456789",
+           "DFLASH_DRAFTER_NET__HOST": "10.1.2.3", "UNRELATED": "x"}
+    cfg = ServiceConfig.for_replica(args, env=env)
+    assert cfg.redis.url == "redis://secret:6379/1"
+    assert cfg.auth_token == "0123456789"  # digits stay a string
+    assert cfg.drafter_net.host == "10.1.2.3"
+    assert ServiceConfig.for_replica(args, env={}).redis.url == "redis://args:6379/0"
+    import pytest
+
+    with pytest.raises(ConfigError, match="drafter_net.port"):
+        ServiceConfig.for_replica(args, env={"DFLASH_DRAFTER_NET__PORT": "not-a-number"})

@@ -121,7 +121,7 @@ def install(work: Path, dest: Path = DEMO_DIR) -> None:
     save_drafter(load_drafter(work / "drafter"), dest / "drafter", dtype=torch.bfloat16)
     manifest = {
         "seed": SEED,
-        "commands": {k: " ".join(v) for k, v in stage_commands(Path("runs/demo")).items()},
+        "commands": {k: " ".join(["python"] + v[1:]) for k, v in stage_commands(Path("runs/demo")).items()},
         "rebuild": "dflash demo build --work runs/demo",
         "heldout_modules": list(corpus.HELD_OUT_MODULES),
         "target_metrics": json.loads((work / "target" / "final" / ".." / "metrics.json").read_text()),

@@ -47,7 +47,7 @@ class IngressDeployment:
     """dflash.v1.Generation and grpc.health.v1.Health on Ray Serve's gRPC proxy. No torch here."""
 
     def __init__(self, verifier: DeploymentHandle, config: dict):
-        self.config = ServiceConfig.from_dict(config)
+        self.config = ServiceConfig.for_replica(config)
         self.ingress = Ingress(self.config, _setup(self.config, "dflash-ingress"))
         self.verifier = verifier
         self.store = _store(self.config)
@@ -94,7 +94,7 @@ class VerifierDeployment:
         from .parts import build_verifier_engine, set_threads
         from .verifier import Verifier
 
-        cfg = ServiceConfig.from_dict(config)
+        cfg = ServiceConfig.for_replica(config)
         set_threads(cfg)
         metrics = _setup(cfg, "dflash-verifier")
         store = _store(cfg)
@@ -116,7 +116,7 @@ class DrafterDeployment:
         from .drafter_server import DrafterServer
         from .parts import build_draft_sessions, set_threads
 
-        cfg = ServiceConfig.from_dict(config)
+        cfg = ServiceConfig.for_replica(config)
         set_threads(cfg)
         _setup(cfg, "dflash-drafter")
         store = _store(cfg)
@@ -134,10 +134,12 @@ class DrafterDeployment:
 
 def build(args: dict | None = None):
     """The application for a ServiceConfig tree (Serve's builder: `import_path: dflash.service.app:build`)."""
-    config = ServiceConfig.from_dict(args or {})
+    config = ServiceConfig.for_replica(args or {})
     if config.mode == "disaggregated" and config.redis.url.startswith("memory://"):
         raise ConfigError("redis.url: the disaggregated mode needs Redis; the in-process store is one process only")
-    tree = config.to_dict()
+    # Replicas get the args alone and layer their own environment (secrets, pod address) on top,
+    # so nothing from this process's environment is written into the Serve config.
+    tree = ServiceConfig.from_dict(args or {}).to_dict()
     drafters = None
     if config.mode == "disaggregated":
         drafters = DrafterDeployment.options(**config.drafter.serve_options()).bind(tree)

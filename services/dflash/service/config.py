@@ -9,6 +9,7 @@ Environment keys use `__` between levels: `DFLASH_REDIS__URL=redis://r:6379/0`,
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -142,16 +143,27 @@ class ServiceConfig:
         """Build from a nested mapping (YAML, Serve `args`); unknown keys raise ConfigError naming them."""
         return _build(cls, raw or {}, "")
 
+    @classmethod
+    def for_replica(cls, args: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> "ServiceConfig":
+        """A replica's config: Serve `args` < this process's DFLASH_* environment.
+
+        Secrets (Redis URL, auth token) and per-pod values (the drafter's own address) reach a replica
+        through its environment, not through the shared args, so each deployment reads it here.
+        """
+        return load_config(env=env, base=args)
+
 
 def load_config(
     path: str | Path | None = None,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    base: Mapping[str, Any] | None = None,
 ) -> ServiceConfig:
-    """defaults < YAML file < DFLASH_* environment < overrides (dotted keys, e.g. {"redis.url": ...})."""
-    tree: dict = {}
+    """base < YAML file < DFLASH_* environment < overrides (dotted keys, e.g. {"redis.url": ...})."""
+    tree: dict = copy.deepcopy(dict(base or {}))
     if path is not None:
-        tree = _read_yaml(Path(path))
+        for key, value in _flatten(_read_yaml(Path(path))):
+            _set_dotted(tree, key, value)
     for key, value in _env_items(os.environ if env is None else env):
         _set_dotted(tree, key, value)
     for key, value in (overrides or {}).items():
@@ -178,12 +190,21 @@ def _env_items(env: Mapping[str, str]):
             yield name[len("DFLASH_"):].lower().replace("__", "."), _parse_scalar(value)
 
 
+class _EnvText(str):
+    """A value from the environment: a string field keeps it verbatim (a token of digits stays a
+    string); other fields read it as JSON (numbers, booleans, objects)."""
+
+
 def _parse_scalar(text: str) -> Any:
-    """Environment values are JSON when they parse as JSON (numbers, booleans, objects), else strings."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+    return _EnvText(text)
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = ""):
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -214,6 +235,13 @@ def _build(cls, raw: Mapping[str, Any], prefix: str):
 def _coerce(name: str, kind: str, value: Any) -> Any:
     expected = {"int": int, "float": (int, float), "str": str, "dict | None": (dict, type(None)),
                 "dict": dict, "str | None": (str, type(None))}.get(kind)
+    if isinstance(value, _EnvText):
+        if kind in ("str", "str | None"):
+            return str(value)
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ConfigError(f"{name}: expected {kind} (as JSON) from the environment, got {str(value)!r}") from None
     if expected is None:
         return value
     if isinstance(value, bool) and kind in ("int", "float") or not isinstance(value, expected):
