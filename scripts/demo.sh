@@ -8,7 +8,7 @@ prompt=${1:-"def fibonacci(n):"}
 log=$(mktemp -t dflash-serve.XXXXXX.log)
 dflash serve > "$log" 2>&1 &
 server=$!
-trap 'kill -INT $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+trap 'echo "stopping dflash serve ..."; kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 echo "starting dflash serve (log: $log) ..."
 for _ in $(seq 1 150); do
   if dflash client "x" --max-new-tokens 1 > /dev/null 2>&1; then break; fi
