@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -198,7 +198,7 @@ class SpeculativeEngine:
             gen.finish_reason = reason
             if gen.text is not None:
                 text += gen.text.flush().text
-        stats = RoundStats(**{**stats.__dict__, "emitted": len(tokens)})
+        stats = replace(stats, emitted=len(tokens))
         gen.num_rounds = stats.index
         gen.stats.add_round(stats)
         gen.stats.generated_tokens = len(gen.output_ids)
