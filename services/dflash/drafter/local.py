@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..errors import DFlashError
+from ..rounds import make_block
 from .model import DFlashDraftModel, DraftCache
 
 
@@ -48,8 +49,7 @@ class LocalDrafter:
                 f"the call continues from {context_start}; replay the context from position 0"
             )
         device = self.embed_tokens.weight.device
-        block = torch.full((1, block_size), self.mask_token_id, dtype=torch.long, device=device)
-        block[0, 0] = last_token
+        block = make_block(last_token, block_size, self.mask_token_id).to(device).unsqueeze(0)
         start = context_start + context.shape[0]
         positions = torch.arange(first, start + block_size, device=device).unsqueeze(0)
         dtype = next(self.model.parameters()).dtype
