@@ -207,6 +207,29 @@ def test_service_config_builds_the_deployment_graph(variant):
         assert auto is not None and auto.min_replicas <= auto.max_replicas
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_autoscaling_configs_are_rays_own(variant):
+    """Serve ignores autoscaling_config keys it does not know, so each rendered one holds only fields of
+    Ray's AutoscalingConfig; the drafter's names the draft-load policy, which its kwargs build."""
+    from ray.serve.config import AutoscalingConfig
+
+    from dflash.service.autoscaling import POLICY_FUNCTION
+
+    args = serve_config(variant)["applications"][0]["args"]
+    for name in ("ingress", "verifier", "drafter"):
+        raw = args[name]["autoscaling_config"]
+        assert set(raw) <= set(AutoscalingConfig.model_fields), f"{name}: {sorted(raw)}"
+        auto = AutoscalingConfig.model_validate(raw)
+        if name != "drafter":
+            assert auto.policy.is_default_policy_function()
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())["drafter"]["autoscaling"]
+    wanted = {**defaults, **variant_values(variant).get("drafter", {}).get("autoscaling", {})}
+    assert auto.policy.policy_function == POLICY_FUNCTION
+    policy = auto.policy.get_policy()(**auto.policy.policy_kwargs)
+    assert policy.target_inflight_drafts == wanted["targetInflightDrafts"]
+    assert (auto.upscale_delay_s, auto.downscale_delay_s) == (wanted["upscaleDelaySeconds"], wanted["downscaleDelaySeconds"])
+
+
 def test_colocated_mode_has_no_drafter_group():
     from dflash.service.config import ServiceConfig
 
@@ -294,12 +317,49 @@ def test_grpc_port_is_exposed_as_serve_grpc(variant):
     # to the Ray pods whose proxy KubeRay marked healthy.
     svc = one(variant_objects(variant), "Service", "-grpc")
     (svc_port,) = svc["spec"]["ports"]
-    assert (svc_port["name"], svc_port["targetPort"], svc_port["port"]) == ("serve-grpc", "serve-grpc", port)
+    tls = variant_values(variant).get("tls", {})
+    public = ("grpc-tls", "grpc-tls", tls.get("port", 9443)) if tls.get("enabled") else ("serve-grpc", "serve-grpc", port)
+    assert (svc_port["name"], svc_port["targetPort"], svc_port["port"]) == public  # TLS: test_tls_sidecar_*
     ray_labels = groups(variant)["head"]["template"]["metadata"]["labels"]
     selector = dict(svc["spec"]["selector"])
     assert selector.pop("ray.io/serve") == "true"
     assert selector.items() <= ray_labels.items()
     assert rs["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+
+
+def test_tls_sidecar_serves_the_public_port():
+    """tls.enabled: a tls-front sidecar in the head pod only, the Secret mounted read-only, the Service and
+    the helm test pod on its port; the sidecar's command line is one `dflash` parses."""
+    from dflash.cli import build_parser
+
+    values = variant_values("tls")
+    objs = variant_objects("tls")
+    g = groups("tls")
+    head = g["head"]["template"]["spec"]
+    ray, sidecar = head["containers"]
+    assert ray["name"] == "ray-head" and sidecar["name"] == "tls-front" and sidecar["image"] == ray["image"]
+    assert all(len(g[role]["template"]["spec"]["containers"]) == 1 for role in ("verifier", "drafter"))
+    args = build_parser().parse_args(sidecar["command"][1:] + sidecar["args"])
+    grpc_port = serve_config("tls")["grpc_options"]["port"]
+    assert (args.listen, args.upstream) == ("0.0.0.0:9443", f"127.0.0.1:{grpc_port}") and not args.client_ca
+    assert {p["name"]: p["containerPort"] for p in sidecar["ports"]} == {"grpc-tls": 9443}
+    (mount,) = sidecar["volumeMounts"]
+    assert mount["readOnly"] is True and args.cert == f"{mount['mountPath']}/tls.crt" and args.key == f"{mount['mountPath']}/tls.key"
+    volume = {v["name"]: v for v in head["volumes"]}[mount["name"]]
+    assert volume["secret"]["secretName"] == values["tls"]["existingSecret"] == "dflash-tls"
+    assert not any(m["name"] == mount["name"] for m in ray["volumeMounts"]), "only the sidecar reads the key"
+    svc = one(objs, "Service", "-grpc")
+    assert svc["spec"]["selector"]["dflash.dev/role"] == "head" == g["head"]["template"]["metadata"]["labels"]["dflash.dev/role"]
+    env = env_of(one(objs, "Pod")["spec"]["containers"][0])
+    assert env["TARGET"]["value"] == f"{svc['metadata']['name']}:9443" and env["TLS_SERVER_NAME"]["value"] == "dflash.example.com"
+    notes = render(values)["dflash/templates/NOTES.txt"]
+    assert "grpcurl -cacert ca.crt -authority dflash.example.com" in notes and "-plaintext" not in notes
+
+
+def test_tls_client_auth_passes_the_secrets_ca():
+    rs = one(objects(render({"tls": {"enabled": True, "existingSecret": "t", "clientAuth": True, "port": 8443}})), "RayService")
+    sidecar = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][1]
+    assert "--client-ca=/etc/dflash/tls/ca.crt" in sidecar["args"] and "--listen=0.0.0.0:8443" in sidecar["args"]
 
 
 def test_names_fit_kuberay_limits():
@@ -400,7 +460,8 @@ def test_network_policies(variant):
     objs = variant_objects(variant)
     ray = one(objs, "NetworkPolicy", "-ray")
     open_rules = [r for r in ray["spec"]["ingress"] if "from" not in r]
-    assert open_rules == [{"ports": [{"port": "serve-grpc", "protocol": "TCP"}]}], "only gRPC is open to all"
+    public = "grpc-tls" if variant_values(variant).get("tls", {}).get("enabled") else "serve-grpc"
+    assert open_rules == [{"ports": [{"port": public, "protocol": "TCP"}]}], "only gRPC is open to all"
     if any(o["kind"] == "StatefulSet" for o in objs):
         redis = one(objs, "NetworkPolicy", "-redis")
         (rule,) = redis["spec"]["ingress"]
@@ -451,6 +512,8 @@ BAD_VALUES = [
     ({"mode": "split"}, "/mode"),
     ({"redis": {"mode": "cluster"}}, "/redis/mode"),
     ({"verifier": {"autoscaling": {"minReplicas": -1}}}, "/verifier/autoscaling/minReplicas"),
+    ({"drafter": {"autoscaling": {"minReplicas": 0}}}, "/drafter/autoscaling/minReplicas"),
+    ({"drafter": {"autoscaling": {"targetInflightDrafts": 0}}}, "/drafter/autoscaling/targetInflightDrafts"),
     ({"drafter": {"rayResource": "drafter gpu"}}, "/drafter/rayResource"),
     ({"grpc": {"port": 70000}}, "/grpc/port"),
     ({"image": {"flavor": "rocm"}}, "/image/flavor"),
@@ -472,7 +535,8 @@ def test_schema_rejects_bad_values(values, where):
     ({"auth": {"enabled": True}}, "auth.existingSecret"),
     ({"redis": {"mode": "external"}}, "redis.external.existingSecret"),
     ({"model": {"source": "pvc"}}, "model.pvc.claimName"),
-    ({"tls": {"enabled": True, "existingSecret": "tls"}}, "tls.enabled"),
+    ({"tls": {"enabled": True}}, "tls.existingSecret"),
+    ({"tls": {"enabled": True, "existingSecret": "tls", "port": 9000}}, "tls.port 9000 is taken"),
     ({"drafter": {"gpusPerReplica": 1, "replicasPerPod": 2}}, "exceeds pods.gpus"),
 ])
 def test_inconsistent_values_fail_with_a_message(values, message):

@@ -15,7 +15,7 @@ pytest.importorskip("helm_python", reason="helm-python-sdk (dev extra) renders t
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
-KUSTOMIZATIONS = {"base": None, "overlays/cpu-demo": "cpu-demo"}
+KUSTOMIZATIONS = {"base": None, "overlays/cpu-demo": "cpu-demo", "overlays/tls": "tls"}
 
 
 def generator():

@@ -1,11 +1,16 @@
 """The service on real Ray Serve (gRPC proxy), real gRPC clients and a real redis-server, over loopback.
 
 One Ray instance for the module (Ray on this 2-core machine costs tens of seconds to start); the
-application is deployed co-located first, then disaggregated with two drafter replicas.
+application is deployed co-located first, then disaggregated with two drafter replicas. Every deployment
+requires a bearer token (checked by the ingress replica behind Ray's proxy), and every replica writes
+its spans to a per-process JSON-lines file, so one request's spans across processes can be checked.
 """
 
+import json
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -23,12 +28,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPTS = ["def f(x):\n    return", "import os\nprint(", "a = [1, 2, 3]\nb =", "class a:\n    def"]
 ACTOR = {"num_cpus": 0.1}
+TOKEN = "s3cret-token"
+TRACE_DIR = tempfile.mkdtemp(prefix="dflash-spans-")
 
 
 def config_tree(model_dirs, redis_url, mode, **extra):
     target, drafter = model_dirs
     tree = {
-        "mode": mode, "grpc_port": PORT, "torch_threads": 1, "auth_token": "",
+        "mode": mode, "grpc_port": PORT, "torch_threads": 1, "auth_token": TOKEN, "trace_dir": TRACE_DIR,
         "model": {"target": str(target), "drafter": str(drafter), "device": "cpu", "dtype": "float32", "name": "tiny"},
         "redis": {"url": redis_url},
         "ingress": {"ray_actor_options": ACTOR},
@@ -68,7 +75,7 @@ def reference(model_dirs):
 
 @pytest.fixture
 def client(service):
-    with GenerationClient(service.address, timeout_s=120) as c:
+    with GenerationClient(service.address, token=TOKEN, timeout_s=120) as c:
         yield c
 
 
@@ -130,6 +137,15 @@ def test_health_and_reflection(service):
         assert "dflash.v1.Generation" in names
 
 
+@pytest.mark.parametrize("token", ["", "wrong"])
+def test_missing_or_wrong_token_is_unauthenticated(service, token):
+    with GenerationClient(service.address, token=token, timeout_s=60) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.generate(prompt=PROMPTS[0], max_new_tokens=4))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "authorization" in err.value.details()
+
+
 def test_cancelled_stream_stops_and_server_keeps_serving(client, reference):
     stream = client.generate(prompt=PROMPTS[0], max_new_tokens=200, ignore_eos=True)
     next(stream)
@@ -143,16 +159,21 @@ def test_disaggregated_drafter_killed_and_verifier_killed(service, model_dirs, r
     """Two drafter replicas: identical output; a drafter replica killed mid-stream; the verifier killed
     mid-stream and the client resuming with its session id."""
     verifier = {"ray_actor_options": ACTOR, "max_ongoing_requests": 4, "max_queued_requests": 1}
-    service.deploy(config_tree(model_dirs, service.config.redis.url, "disaggregated", verifier=verifier))
-    with GenerationClient(service.address, timeout_s=120) as client:
-        got, killed = [], None
+    drafter = {"ray_actor_options": ACTOR, "autoscaling_config": {"min_replicas": 2, "max_replicas": 2}}
+    service.deploy(config_tree(model_dirs, service.config.redis.url, "disaggregated", verifier=verifier,
+                               drafter=drafter))
+    with GenerationClient(service.address, token=TOKEN, timeout_s=120) as client:
+        got, killed, session = [], None, None
         stream = client.generate(prompt=PROMPTS[0], max_new_tokens=40, ignore_eos=True)
         for chunk in stream:
             got += chunk.token_ids
+            session = session or chunk.session_id
             if chunk.round.index == 4 and chunk.round.drafter:
                 killed = chunk.round.drafter
                 kill_process_listening_on(killed)
         assert got == want(reference, PROMPTS[0], 40) and killed
+        assert_drafters_report_their_load(service.config.app_name)
+        check_one_trace_across_processes(session, killed)
 
         received, session = [], None
         stream = client.generate(prompt=PROMPTS[3], max_new_tokens=40, ignore_eos=True)
@@ -215,6 +236,64 @@ def test_redis_restart_keeps_sessions_and_outage_is_unavailable(service, client,
     finally:
         redis_server.start()
     assert tokens(collect(client.generate(prompt=PROMPTS[1], max_new_tokens=24, ignore_eos=True))) == want(reference, PROMPTS[1])
+
+
+def read_spans() -> list[dict]:
+    """Every span the replicas wrote, tagged with the file (= service and process) it came from."""
+    spans = []
+    for path in Path(TRACE_DIR).glob("spans-*.jsonl"):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                spans.append({**json.loads(line), "file": path.name})
+    return spans
+
+
+def check_one_trace_across_processes(session: str, killed_drafter: str) -> None:
+    """The request span (ingress), its round spans (verifier) and the drafter replicas' spans share
+    one trace; each draft span's parent is one of the rounds; drafts ran in two drafter processes
+    (the one killed mid-stream, then the survivor)."""
+    deadline = time.monotonic() + 30
+    while True:  # the ingress ends its span after the last chunk is sent
+        spans = read_spans()
+        requests = [s for s in spans if s["attributes"].get("gen_ai.response.id") == session]
+        if requests or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    [request] = requests
+    assert request["name"] == "text_completion tiny" and request["kind"] == "SpanKind.SERVER"
+    assert request["attributes"]["gen_ai.request.model"] == "tiny"
+    assert request["attributes"]["gen_ai.usage.output_tokens"] == 40
+    trace_id = request["context"]["trace_id"]
+    in_trace = [s for s in spans if s["context"]["trace_id"] == trace_id]
+    rounds = [s for s in in_trace if s["name"] == "dflash.round"]
+    drafts = [s for s in in_trace if s["name"] == "dflash.draft"]
+    assert len(rounds) >= 5 and all(r["file"].startswith("spans-dflash-verifier-") for r in rounds)
+    assert all(r["parent_id"] == request["context"]["span_id"] for r in rounds)
+    round_ids = {r["context"]["span_id"] for r in rounds}
+    assert drafts and all(d["parent_id"] in round_ids for d in drafts)
+    assert all(d["file"].startswith("spans-dflash-drafter-") for d in drafts)
+    replicas = {d["attributes"]["dflash.drafter.replica"] for d in drafts}
+    assert killed_drafter in replicas and len({d["file"] for d in drafts}) == 2, replicas
+    assert any(d["attributes"]["dflash.drafter.rebuilt"] for d in drafts if d["attributes"]["dflash.drafter.replica"] != killed_drafter)
+
+
+def assert_drafters_report_their_load(app_name: str, timeout_s: float = 60) -> None:
+    """Serve's controller holds the metrics drafter replicas return from record_autoscaling_stats
+    (read through the controller's testing hook: Serve has no public view of custom metrics)."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    from dflash.service.autoscaling import HOT_SESSIONS, INFLIGHT_DRAFTS
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    drafter = DeploymentID(name="drafter", app_name=app_name)
+    deadline = time.monotonic() + timeout_s
+    while True:  # replicas push their metrics every 10 s
+        metrics = ray.get(controller._get_metrics_for_deployment_for_testing.remote(drafter))
+        if {INFLIGHT_DRAFTS, HOT_SESSIONS} <= set(metrics) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert {INFLIGHT_DRAFTS, HOT_SESSIONS} <= set(metrics), sorted(metrics)
 
 
 def resume_until_served(client, session, received, timeout_s=180):

@@ -33,12 +33,12 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_target(family: str = "qwen3", seed: int = 0, layers: int = 4, max_positions: int = 512):
+def tiny_target(family: str = "qwen3", seed: int = 0, layers: int = 4, max_positions: int = 512, **config):
     torch.manual_seed(seed)
     common = dict(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, intermediate_size=64, max_position_embeddings=max_positions, eos_token_id=EOS_ID,
-        pad_token_id=EOS_ID, bos_token_id=EOS_ID,
+        pad_token_id=EOS_ID, bos_token_id=EOS_ID, **config,
     )
     if family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common))

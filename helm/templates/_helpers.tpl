@@ -106,8 +106,11 @@ with a switch, and GPU arithmetic across a group and its deployment.
 {{- if and .Values.auth.enabled (not .Values.auth.existingSecret) }}
 {{- fail "auth.enabled needs auth.existingSecret (a Secret holding the bearer token)" }}
 {{- end }}
-{{- if .Values.tls.enabled }}
-{{- fail "tls.enabled: the service's configuration has no TLS settings yet (issue 4); terminate TLS in front of the gRPC Service for now" }}
+{{- if and .Values.tls.enabled (not .Values.tls.existingSecret) }}
+{{- fail "tls.enabled needs tls.existingSecret (a kubernetes.io/tls Secret: tls.crt, tls.key, optional ca.crt)" }}
+{{- end }}
+{{- if and .Values.tls.enabled (has (int .Values.tls.port) (list (int .Values.grpc.port) 6379 8000 8080 8265 10001 52365)) }}
+{{- fail (printf "tls.port %v is taken in the head pod (grpc.port or a Ray port); pick another, e.g. 9443" .Values.tls.port) }}
 {{- end }}
 {{- if and (eq .Values.redis.mode "external") (not .Values.redis.external.existingSecret) }}
 {{- fail "redis.mode=external needs redis.external.existingSecret (a Secret holding the Redis URL)" }}

@@ -98,6 +98,11 @@ Ray container itself. Pass (dict "ctx" $ "role" "head|verifier|drafter").
     sizeLimit: {{ if eq .role "head" }}{{ $v.head.shmSize }}{{ else }}{{ (index $v .role).pods.shmSize }}{{ end }}
 {{- if ne .role "head" }}
 {{- include "dflash.modelVolume" .ctx }}
+{{- else if $v.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ $v.tls.existingSecret }}
+    defaultMode: 0440
 {{- end }}
 {{- end }}
 
@@ -208,6 +213,40 @@ start (cache claim) finds the files and only checks them.
     {{- include "dflash.rayVolumeMounts" . | nindent 4 }}
 {{- end }}
 
+{{/*
+tls.enabled, head pod only: `dflash tls-front` terminates TLS with the Secret's certificate (reread when
+the Secret is renewed) and forwards every call to the Serve gRPC proxy beside it over loopback.
+*/}}
+{{- define "dflash.tlsContainer" -}}
+{{- $v := .Values -}}
+- name: tls-front
+  image: {{ include "dflash.image" . }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  command: ["dflash", "tls-front"]
+  args:
+    - --listen=0.0.0.0:{{ $v.tls.port }}
+    - --upstream=127.0.0.1:{{ $v.grpc.port }}
+    - --cert=/etc/dflash/tls/tls.crt
+    - --key=/etc/dflash/tls/tls.key
+    {{- if $v.tls.clientAuth }}
+    - --client-ca=/etc/dflash/tls/ca.crt
+    {{- end }}
+  ports:
+    - {name: grpc-tls, containerPort: {{ $v.tls.port }}}
+  readinessProbe:
+    tcpSocket:
+      port: grpc-tls
+    periodSeconds: 5
+  resources:
+    {{- toYaml $v.tls.resources | nindent 4 }}
+  securityContext:
+    {{- include "dflash.containerSecurityContext" (dict "ctx" . "readOnly" true) | nindent 4 }}
+  volumeMounts:
+    - name: tls
+      mountPath: /etc/dflash/tls
+      readOnly: true
+{{- end }}
+
 {{/* The pod template of a Ray group. */}}
 {{- define "dflash.rayPodTemplate" -}}
 {{- $v := .ctx.Values -}}
@@ -235,6 +274,9 @@ spec:
   {{- end }}
   containers:
     {{- include "dflash.rayContainer" . | nindent 4 }}
+    {{- if and (eq .role "head") $v.tls.enabled }}
+    {{- include "dflash.tlsContainer" .ctx | nindent 4 }}
+    {{- end }}
   volumes:
     {{- include "dflash.rayVolumes" . | nindent 4 }}
   {{- with $sched.nodeSelector }}

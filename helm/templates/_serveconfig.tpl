@@ -17,7 +17,9 @@ not here: they reach each replica as DFLASH_* environment variables (see _raypod
 {{- end }}
 {{- end }}
 
-{{/* One deployment's options; pass (dict "v" .Values.<role> "gpus" bool) */}}
+{{/* One deployment's options; pass (dict "v" .Values.<role> "gpus" bool "resource" name "drafter" bool).
+The drafter scales on the load its replicas report (dflash.service.autoscaling), the others on Serve's
+own request counts. */}}
 {{- define "dflash.deploymentArgs" -}}
 {{- $v := .v }}
 {{- $actor := dict "num_cpus" (float64 $v.cpusPerReplica) }}
@@ -27,7 +29,15 @@ not here: they reach each replica as DFLASH_* environment variables (see _raypod
 {{- if .resource }}
 {{- $_ := set $actor "resources" (dict .resource 1.0) }}
 {{- end }}
-{{- $auto := dict "min_replicas" (int $v.autoscaling.minReplicas) "max_replicas" (int $v.autoscaling.maxReplicas) "target_ongoing_requests" (float64 $v.autoscaling.targetOngoingRequests) }}
+{{- $auto := dict "min_replicas" (int $v.autoscaling.minReplicas) "max_replicas" (int $v.autoscaling.maxReplicas) }}
+{{- if .drafter }}
+{{- $kwargs := dict "target_inflight_drafts" (float64 $v.autoscaling.targetInflightDrafts) }}
+{{- $_ := set $auto "policy" (dict "policy_function" "dflash.service.autoscaling:DraftLoadPolicy" "policy_kwargs" $kwargs) }}
+{{- $_ := set $auto "upscale_delay_s" (float64 $v.autoscaling.upscaleDelaySeconds) }}
+{{- $_ := set $auto "downscale_delay_s" (float64 $v.autoscaling.downscaleDelaySeconds) }}
+{{- else }}
+{{- $_ := set $auto "target_ongoing_requests" (float64 $v.autoscaling.targetOngoingRequests) }}
+{{- end }}
 {{- dict "autoscaling_config" $auto "ray_actor_options" $actor "max_ongoing_requests" (int $v.maxOngoingRequests) "max_queued_requests" (int $v.maxQueuedRequests) | toJson }}
 {{- end }}
 
@@ -38,9 +48,9 @@ not here: they reach each replica as DFLASH_* environment variables (see _raypod
 {{- $redis := dict "ttl_s" (int $v.sessions.ttlSeconds) "context_window" (int $v.sessions.contextWindow) "key_prefix" $v.sessions.keyPrefix "socket_timeout_s" (float64 $v.sessions.socketTimeoutSeconds) }}
 {{- $net := dict "port" (int $v.drafter.net.port) "timeout_s" (float64 $v.drafter.net.timeoutSeconds) "retry_after_s" (float64 $v.drafter.net.retryAfterSeconds) "chunk_bytes" (int $v.drafter.net.chunkBytes) "max_sessions" (int $v.drafter.net.maxSessions) }}
 {{- $limits := dict "max_new_tokens" (int $v.limits.maxNewTokens) "max_request_bytes" (int $v.limits.maxRequestBytes) "max_stop_strings" (int $v.limits.maxStopStrings) }}
-{{- $ingress := include "dflash.deploymentArgs" (dict "v" $v.ingress "gpus" false "resource" "") | fromJson }}
-{{- $verifier := include "dflash.deploymentArgs" (dict "v" $v.verifier "gpus" true "resource" $v.verifier.rayResource) | fromJson }}
-{{- $drafter := include "dflash.deploymentArgs" (dict "v" $v.drafter "gpus" true "resource" $v.drafter.rayResource) | fromJson }}
+{{- $ingress := include "dflash.deploymentArgs" (dict "v" $v.ingress "gpus" false "resource" "" "drafter" false) | fromJson }}
+{{- $verifier := include "dflash.deploymentArgs" (dict "v" $v.verifier "gpus" true "resource" $v.verifier.rayResource "drafter" false) | fromJson }}
+{{- $drafter := include "dflash.deploymentArgs" (dict "v" $v.drafter "gpus" true "resource" $v.drafter.rayResource "drafter" true) | fromJson }}
 {{- $args := dict "mode" $v.mode "app_name" $v.appName "grpc_host" "0.0.0.0" "grpc_port" (int $v.grpc.port) "model" $model "redis" $redis }}
 {{- $_ := set $args "ingress" $ingress }}
 {{- $_ := set $args "verifier" $verifier }}

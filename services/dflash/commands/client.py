@@ -13,6 +13,12 @@ def register(sub) -> None:
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--server", default="127.0.0.1:9000", help="host:port of the server (default 127.0.0.1:9000)")
     p.add_argument("--token", default="", help="bearer token when the server has auth on (or DFLASH_TOKEN)")
+    p.add_argument("--tls", action="store_true", help="connect over TLS, trusting gRPC's bundled root CAs")
+    p.add_argument("--tls-ca", metavar="FILE", help="connect over TLS, trusting the PEM CA(s) in FILE (implies --tls)")
+    p.add_argument("--tls-server-name", metavar="NAME", default="",
+                   help="check the server's certificate against NAME instead of the --server host (implies --tls)")
+    p.add_argument("--tls-cert", metavar="FILE", help="PEM client certificate for mutual TLS (with --tls-key)")
+    p.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -35,7 +41,13 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
     final = None
-    with GenerationClient(args.server, args.token or os.environ.get("DFLASH_TOKEN", "")) as client:
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise DFlashError("--tls-cert and --tls-key: give both (the client certificate and its key) or neither")
+    root = _read(args.tls_ca, "--tls-ca") if args.tls_ca else None
+    client_certificate = (_read(args.tls_key, "--tls-key"), _read(args.tls_cert, "--tls-cert")) if args.tls_cert else None
+    with GenerationClient(args.server, args.token or os.environ.get("DFLASH_TOKEN", ""), root,
+                          tls=args.tls or bool(args.tls_server_name), server_name=args.tls_server_name,
+                          client_certificate=client_certificate) as client:
         try:
             for chunk in client.generate(**fields):
                 sys.stdout.write(chunk.text)
@@ -49,3 +61,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{final.usage.completion_tokens} tokens, finish={final.finish_reason}] tau={final.tau:.2f} "
               f"over {final.rounds} rounds | decode {final.decode_tokens_per_s:.1f} tok/s", file=sys.stderr)
     return 0
+
+
+def _read(path: str, flag: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise DFlashError(f"{flag}: cannot read {path}: {exc.strerror or exc}") from None

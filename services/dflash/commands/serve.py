@@ -25,6 +25,9 @@ def register(sub) -> None:
     p.add_argument("--port", type=int, help="public gRPC port (default 9000)")
     p.add_argument("--redis-url", help="use this Redis instead of starting one")
     p.add_argument("--drafter-replicas", type=int, help="drafter replicas in disaggregated mode")
+    p.add_argument("--tls-cert", help="PEM certificate chain: serve the public port over TLS (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for local Ray (default: all)")
     p.set_defaults(handler=run)
 
@@ -39,10 +42,12 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config or os.environ.get("DFLASH_CONFIG"), overrides={
         "model.target": args.target, "model.drafter": args.drafter, "model.device": args.device,
         "mode": args.mode, "grpc_port": args.port, "redis.url": args.redis_url,
-        "drafter.num_replicas": args.drafter_replicas,
+        "drafter.num_replicas": args.drafter_replicas, "tls.cert_file": args.tls_cert,
+        "tls.key_file": args.tls_key, "tls.client_ca_file": args.tls_client_ca,
     })
     service = start_local(config, num_cpus=args.num_cpus)
-    print(f"dflash: serving dflash.v1.Generation on {service.address} ({service.config.mode}, "
+    tls = " over TLS" if service.config.tls.enabled else ""
+    print(f"dflash: serving dflash.v1.Generation on {service.address}{tls} ({service.config.mode}, "
           f"sessions in {service.config.redis.url}); Ctrl-C stops", file=sys.stderr, flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -25,7 +25,7 @@ from ..defaults import DEMO_DIR
 from . import corpus
 
 SEED = 0
-NUM_TRAIN_PROMPTS = 3000
+NUM_TRAIN_PROMPTS = 8000
 NUM_EVAL_PROMPTS = 24
 EVAL_MAX_NEW_TOKENS = 128
 PY = [sys.executable, "-m"]
@@ -46,13 +46,13 @@ def stage_commands(work: Path) -> dict[str, list[str]]:
             "dflash.cli", "train", "--target", str(work / "target" / "final"), "--data", str(work / "prompts.jsonl"),
             "--out", str(work / "drafter"), "--regenerate", "--regen-max-new-tokens", "256",
             "--regen-batch-size", "32", "--max-length", "384", "--block-size", "16", "--num-layers", "2",
-            "--num-features", "3", "--epochs", "3", "--lr", "1e-3", "--batch-size", "8", "--max-anchors", "48",
+            "--num-features", "3", "--epochs", "3", "--lr", "1.5e-3", "--batch-size", "8", "--max-anchors", "48",
             "--save-every", "50", "--eval-prompts", str(work / "heldout.jsonl"), "--eval-max-new-tokens", "96",
             "--seed", str(SEED), "--threads", "1", "--device", "cpu",
         ],
         "ar-draft": PY + [
             "dflash.demo.pretrain", "--out", str(work / "ar-draft"), "--tokenizer", str(work / "tokenizer"),
-            "--data", str(work / "ar-data.jsonl"), "--layers", "2", "--steps", "1500", "--batch-size", "16",
+            "--data", str(work / "ar-data.jsonl"), "--layers", "2", "--steps", "4000", "--batch-size", "16",
             "--seq-len", "256", "--lr", "2e-3", "--min-lr-ratio", "0.1", "--warmup", "40", "--seed", str(SEED),
             "--checkpoint-every", "50", "--eval-every", "200", "--eval-windows", "32", "--threads", "1",
         ],

@@ -38,7 +38,7 @@ def _store(config: ServiceConfig):
 def _setup(config: ServiceConfig, service: str):
     from . import tracing
 
-    tracing.setup_tracing(service)
+    tracing.setup_tracing(service, trace_dir=config.trace_dir)
     return ServiceMetrics(config.metrics)
 
 
@@ -126,6 +126,11 @@ class DrafterDeployment:
     def address(self) -> str:
         return self.server.address
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's hook for custom autoscaling metrics, called only when autoscaling_config is set: the
+        Draft calls in flight (what the drafter policy in autoscaling.py scales on) and the hot sessions."""
+        return self.server.load()
+
     def __del__(self):
         server = getattr(self, "server", None)
         if server is not None:
@@ -142,9 +147,9 @@ def build(args: dict | None = None):
     tree = ServiceConfig.from_dict(args or {}).to_dict()
     drafters = None
     if config.mode == "disaggregated":
-        drafters = DrafterDeployment.options(**config.drafter.serve_options()).bind(tree)
-    verifier = VerifierDeployment.options(**config.verifier.serve_options()).bind(tree, drafters)
-    return IngressDeployment.options(**config.ingress.serve_options()).bind(verifier, tree)
+        drafters = DrafterDeployment.options(**config.serve_options("drafter")).bind(tree)
+    verifier = VerifierDeployment.options(**config.serve_options("verifier")).bind(tree, drafters)
+    return IngressDeployment.options(**config.serve_options("ingress")).bind(verifier, tree)
 
 
 def grpc_options(config: ServiceConfig):

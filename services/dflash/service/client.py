@@ -13,9 +13,16 @@ class GenerationClient:
     """Streams Generate chunks; `resume` reconnects to a session with the count of tokens received."""
 
     def __init__(self, target: str = "127.0.0.1:9000", token: str = "", root_certificates: bytes | None = None,
-                 timeout_s: float | None = None):
-        if root_certificates is not None:
-            self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates))
+                 timeout_s: float | None = None, *, tls: bool = False, server_name: str = "",
+                 client_certificate: tuple[bytes, bytes] | None = None):
+        """TLS when `tls`, root_certificates (PEM CAs to trust; None: gRPC's bundled roots) or
+        client_certificate ((PEM key, PEM chain), for mutual TLS) is given; server_name checks the
+        server's certificate against that name instead of the target's host."""
+        if tls or root_certificates is not None or client_certificate is not None:
+            key, chain = client_certificate or (None, None)
+            options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+            self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates, key, chain),
+                                               options)
         else:
             self.channel = grpc.insecure_channel(target)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DFlashError
+from .autoscaling import POLICY_FUNCTION as DRAFT_LOAD_POLICY
 
 MODES = ("colocated", "disaggregated")
 
@@ -59,15 +60,19 @@ class DeploymentConfig:
     max_ongoing_requests: int = 8
     max_queued_requests: int = 64  # beyond this, RESOURCE_EXHAUSTED (-1: unbounded)
 
-    def serve_options(self) -> dict:
-        """Keyword arguments for `Deployment.options`."""
+    def serve_options(self, default_policy: str = "") -> dict:
+        """Keyword arguments for `Deployment.options`; `default_policy` (an import path) is the
+        autoscaling policy used when autoscaling_config names no policy_function."""
         options = {
             "ray_actor_options": dict(self.ray_actor_options),
             "max_ongoing_requests": self.max_ongoing_requests,
             "max_queued_requests": self.max_queued_requests,
         }
         if self.autoscaling_config:
-            options["autoscaling_config"] = dict(self.autoscaling_config)
+            auto = copy.deepcopy(self.autoscaling_config)
+            if default_policy and isinstance(auto.get("policy", {}), dict):
+                auto.setdefault("policy", {}).setdefault("policy_function", default_policy)
+            options["autoscaling_config"] = auto
         else:
             options["num_replicas"] = self.num_replicas
         return options
@@ -95,6 +100,34 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class TlsConfig:
+    """TLS on the public gRPC port, terminated by the TLS front (tls_front.py); empty cert_file: plaintext.
+
+    With TLS on, `dflash serve` moves Ray Serve's plaintext gRPC proxy to upstream_port and the front
+    takes grpc_host:grpc_port. Files are PEM; they are reread when they change.
+    """
+
+    cert_file: str = ""  # certificate chain, leaf first
+    key_file: str = ""  # the leaf's private key
+    client_ca_file: str = ""  # non-empty: mutual TLS, clients must present a certificate this CA signed
+    upstream_port: int = 0  # Ray Serve's plaintext proxy behind the front (0: a free port)
+
+    def __post_init__(self) -> None:
+        if self.cert_file and not self.key_file:
+            raise ConfigError("tls.key_file: must be set with tls.cert_file (the certificate's private key)")
+        if self.key_file and not self.cert_file:
+            raise ConfigError("tls.cert_file: must be set with tls.key_file (the certificate chain)")
+        if self.client_ca_file and not self.cert_file:
+            raise ConfigError("tls.cert_file: mutual TLS (tls.client_ca_file) needs the server's certificate too")
+        if not 0 <= self.upstream_port < 65536:
+            raise ConfigError(f"tls.upstream_port: must be a port number, got {self.upstream_port}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file)
+
+
+@dataclass(frozen=True)
 class ServiceConfig:
     """Everything `dflash serve` and the Ray Serve application need."""
 
@@ -110,8 +143,10 @@ class ServiceConfig:
     drafter: DeploymentConfig = field(default_factory=DeploymentConfig)
     drafter_net: DrafterNetConfig = field(default_factory=DrafterNetConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
     torch_threads: int = 0  # per replica; 0 leaves torch's default
     metrics: str = "ray"  # "ray" (exported by Ray's Prometheus endpoint), "prometheus" (own registry), "none"
+    trace_dir: str = ""  # also write finished spans as JSON lines here, one file per process (debugging)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -128,12 +163,24 @@ class ServiceConfig:
             dep = getattr(self, name)
             if dep.num_replicas < 1 or dep.max_ongoing_requests < 1:
                 raise ConfigError(f"{name}: num_replicas and max_ongoing_requests must be >= 1")
+            auto = _ray_autoscaling(f"{name}.autoscaling_config", self.serve_options(name).get("autoscaling_config"))
+            if name == "drafter" and self.mode == "disaggregated" and auto and auto.min_replicas < 1:
+                raise ConfigError("drafter.autoscaling_config.min_replicas: must be >= 1; drafter replicas report "
+                                  "their own load, so with none running nothing would scale them up")
         if self.limits.max_new_tokens < 1:
             raise ConfigError("limits.max_new_tokens: must be >= 1")
+        if self.tls.enabled and self.tls.upstream_port and self.tls.upstream_port == self.grpc_port:
+            raise ConfigError(f"tls.upstream_port: must differ from grpc_port ({self.grpc_port}), where TLS is served")
 
     @property
     def model_name(self) -> str:
         return self.model.name or (Path(self.model.target).name if self.model.target else "dflash-demo")
+
+    def serve_options(self, deployment: str) -> dict:
+        """`Deployment.options` keywords for "ingress", "verifier" or "drafter". Drafter autoscaling
+        defaults to the draft-load policy (autoscaling.py): Serve never sees the verifier's calls to
+        drafters, so its own request-count policy would have nothing to go on."""
+        return getattr(self, deployment).serve_options(DRAFT_LOAD_POLICY if deployment == "drafter" else "")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -170,6 +217,39 @@ def load_config(
         if value is not None:
             _set_dotted(tree, key, value)
     return ServiceConfig.from_dict(tree)
+
+
+def _ray_autoscaling(where: str, auto: dict | None):
+    """Ray Serve's AutoscalingConfig for `auto` (None for none). Serve ignores keys it does not know;
+    here they are errors, as is a policy that does not import or rejects its policy_kwargs."""
+    if not auto:
+        return None
+    import inspect
+
+    import pydantic
+    from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
+
+    policy = auto.get("policy")
+    for known, raw, at in ((AutoscalingConfig.model_fields, auto, where),
+                           (AutoscalingPolicy.model_fields, policy if isinstance(policy, dict) else {}, f"{where}.policy")):
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ConfigError(f"{at}.{unknown[0]}: unknown Ray Serve autoscaling key (known: {', '.join(known)})")
+    try:
+        config = AutoscalingConfig.model_validate(auto)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        at = ".".join([where, *(str(part) for part in first["loc"])])
+        raise ConfigError(f"{at}: {first['msg']}") from None
+    except Exception as exc:  # the policy's import path does not import
+        raise ConfigError(f"{where}.policy.policy_function: {type(exc).__name__}: {exc}") from None
+    function = config.policy.get_policy()
+    if inspect.isclass(function):  # Serve builds a class policy once, from policy_kwargs
+        try:
+            function(**config.policy.policy_kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}.policy.policy_kwargs: {exc}") from None
+    return config
 
 
 def _read_yaml(path: Path) -> dict:
@@ -255,4 +335,5 @@ _SECTIONS = {
     "DeploymentConfig": DeploymentConfig,
     "DrafterNetConfig": DrafterNetConfig,
     "LimitsConfig": LimitsConfig,
+    "TlsConfig": TlsConfig,
 }

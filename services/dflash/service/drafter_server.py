@@ -21,6 +21,7 @@ from ..api.internal.v1 import drafter_pb2, drafter_pb2_grpc
 from ..drafter.local import LocalDrafter
 from ..errors import DFlashError
 from . import codec, tracing
+from .autoscaling import HOT_SESSIONS, INFLIGHT_DRAFTS
 from .session_store import SessionStore
 
 
@@ -75,6 +76,11 @@ class DraftSessions:
             self.drafter.release(session_id)
             self._recent.pop(session_id, None)
 
+    @property
+    def num_sessions(self) -> int:
+        """Sessions with a hot draft cache; read without the lock, which a forward may hold for long."""
+        return len(self._recent)
+
     def _touch(self, session_id: str) -> None:
         self._recent[session_id] = None
         self._recent.move_to_end(session_id)
@@ -89,8 +95,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, sessions: DraftSessions, replica: str):
         self.sessions = sessions
         self.replica = replica
+        self.num_inflight = 0  # Draft calls being received, waiting for the model or drafting
+        self._count_lock = threading.Lock()
 
     def Draft(self, request_iterator, context):
+        with self._count_lock:
+            self.num_inflight += 1
+        try:
+            return self._draft(request_iterator, context)
+        finally:
+            with self._count_lock:
+                self.num_inflight -= 1
+
+    def _draft(self, request_iterator, context):
         head, features = codec.join_draft_request(request_iterator)
         parent = tracing.context_from(context.invocation_metadata())
         with tracing.tracer().start_as_current_span("dflash.draft", context=parent, kind=trace.SpanKind.SERVER) as span:
@@ -134,7 +151,8 @@ class DrafterServer:
         )
         bound = self.server.add_insecure_port(f"{host}:{port}")
         self.address = f"{host}:{bound}"
-        drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(sessions, self.address), self.server)
+        self.servicer = DrafterServicer(sessions, self.address)
+        drafter_pb2_grpc.add_DrafterServicer_to_server(self.servicer, self.server)
         self.advertise_every_s = advertise_every_s
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._advertise, daemon=True, name="drafter-advertise")
@@ -143,6 +161,10 @@ class DrafterServer:
         self.server.start()
         self._heartbeat.start()
         return self
+
+    def load(self) -> dict[str, float]:
+        """This replica's autoscaling metrics (autoscaling.py): Draft calls in flight, hot sessions."""
+        return {INFLIGHT_DRAFTS: float(self.servicer.num_inflight), HOT_SESSIONS: float(self.sessions.num_sessions)}
 
     def stop(self) -> None:
         self._stop.set()

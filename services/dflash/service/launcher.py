@@ -11,8 +11,9 @@ import logging
 import tempfile
 import time
 
-from .config import ServiceConfig
+from .config import ServiceConfig, TlsConfig
 from .redis_process import RedisProcess, free_port, redis_server_path
+from .tls_front import FrontThread, TlsFront
 
 log = logging.getLogger("dflash.service")
 
@@ -21,6 +22,7 @@ log = logging.getLogger("dflash.service")
 class LocalService:
     config: ServiceConfig
     redis: RedisProcess | None
+    front: FrontThread | None = None  # the TLS front on the public port, when tls.cert_file is set
 
     @property
     def address(self) -> str:
@@ -42,6 +44,8 @@ class LocalService:
         from ray import serve
 
         try:
+            if self.front is not None:  # first, so clients see the port close rather than hang
+                self.front.stop()
             serve.shutdown()
         finally:
             ray.shutdown()
@@ -66,19 +70,30 @@ def resolve_redis(config: ServiceConfig) -> tuple[ServiceConfig, RedisProcess | 
 
 
 def start_local(config: ServiceConfig, num_cpus: int | None = None, timeout_s: float = 240) -> LocalService:
-    """Start Ray (local), Serve's gRPC proxy on config.grpc_port, Redis when needed, and the application."""
+    """Start Ray (local), Serve's gRPC proxy on config.grpc_port, Redis when needed, and the application.
+
+    With TLS configured, the TLS front serves config.grpc_port and Serve's proxy listens in plaintext on
+    tls.upstream_port (or a free port); Ray binds that on every interface, so keep it firewalled.
+    """
     import ray
     from ray import serve
 
     from .app import grpc_options
 
+    proxy, front = config, None
+    if config.tls.enabled:
+        proxy = dataclasses.replace(config, grpc_port=config.tls.upstream_port or free_port(), tls=TlsConfig())
+        front = TlsFront(config.tls, f"{config.grpc_host}:{config.grpc_port}",
+                         f"127.0.0.1:{proxy.grpc_port}")  # reads the certificates before Ray starts
     config, redis = resolve_redis(config)
     service = LocalService(config, redis)
     try:
         ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
-                    grpc_options=grpc_options(config))
+                    grpc_options=grpc_options(proxy))
         service.deploy(config, timeout_s)
+        if front is not None:
+            service.front = FrontThread(front).start()
     except BaseException:
         service.stop()
         raise

@@ -10,6 +10,7 @@ from ..drafter.local import LocalDrafter
 from ..engine import SpeculativeEngine
 from ..loading import eos_ids, load_target, resolve_device, resolve_dtype
 from ..target import TargetModel
+from ..target_heads import load_target_heads
 from .config import ServiceConfig
 from .drafter_client import RemoteDrafter
 from .drafter_server import DraftSessions
@@ -52,12 +53,12 @@ def build_verifier_engine(config: ServiceConfig, store: SessionStore, metrics: S
 
 
 def build_draft_sessions(config: ServiceConfig, store: SessionStore) -> DraftSessions:
-    """The drafter plus the target's embedding and LM head (the rest of the target is dropped)."""
+    """The drafter plus the target's embedding and LM head, read alone from the target's checkpoint."""
     target_dir, drafter_dir = model_dirs(config)
     device = resolve_device(config.model.device)
-    model, _ = load_target(target_dir, device, resolve_dtype(config.model.dtype, device))
-    draft_model = load_drafter(drafter_dir, device=device, dtype=model.dtype)
-    check_compatible(draft_model.config, model.config, model.get_input_embeddings().weight.shape[0])
-    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-    del model
-    return DraftSessions(LocalDrafter(draft_model, embed, lm_head), store, config.drafter_net.max_sessions)
+    heads = load_target_heads(target_dir, device, resolve_dtype(config.model.dtype, device))
+    embed = heads.embed_tokens.weight
+    draft_model = load_drafter(drafter_dir, device=device, dtype=embed.dtype)
+    check_compatible(draft_model.config, heads.config, embed.shape[0])
+    drafter = LocalDrafter(draft_model, heads.embed_tokens, heads.lm_head)
+    return DraftSessions(drafter, store, config.drafter_net.max_sessions)

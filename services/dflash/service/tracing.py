@@ -12,7 +12,10 @@ Context crosses Ray handle calls as a W3C carrier dict and gRPC calls as metadat
 
 Exporters come from the standard environment: OTEL_TRACES_EXPORTER=otlp or OTEL_EXPORTER_OTLP_ENDPOINT /
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT switch the OTLP exporter on (its own OTEL_* variables configure it);
-by default nothing is exported.
+OTEL_TRACES_EXPORTER=console prints spans as JSON on stdout; by default nothing is exported. The
+service's `trace_dir` setting also writes every finished span, as one JSON line, to
+`<trace_dir>/spans-<service>-<pid>.jsonl`: one file per process, so the spans of a request's ingress,
+verifier and drafter processes can be read side by side without a collector (debugging, tests).
 """
 
 from __future__ import annotations
@@ -30,31 +33,54 @@ def tracer() -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME)
 
 
+def wanted_exporters(env: Mapping[str, str]) -> set[str]:
+    """The exporters the standard OTEL_* environment asks for, of those we ship: {"otlp", "console"}."""
+    named = {e.strip().lower() for e in env.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()}
+    if "none" in named:
+        return set()
+    if env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        named.add("otlp")
+    return named & {"otlp", "console"}
+
+
 def otlp_wanted(env: Mapping[str, str]) -> bool:
-    exporter = env.get("OTEL_TRACES_EXPORTER", "").lower()
-    if exporter == "none":
-        return False
-    return exporter == "otlp" or bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    return "otlp" in wanted_exporters(env)
 
 
-def setup_tracing(service_name: str, env: Mapping[str, str] | None = None) -> bool:
-    """Install a TracerProvider with an OTLP exporter when the environment asks for one; True if so.
+def setup_tracing(service_name: str, env: Mapping[str, str] | None = None, trace_dir: str = "") -> bool:
+    """Install a TracerProvider when the environment or `trace_dir` asks for an exporter; True if so.
 
     Called once per process at the edge (a replica's constructor, `dflash serve`).
     """
     env = os.environ if env is None else env
-    if not otlp_wanted(env):
+    exporters = wanted_exporters(env)
+    if not exporters and not trace_dir:
         return False
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 
     name = env.get("OTEL_SERVICE_NAME", service_name)
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    if "otlp" in exporters:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    if "console" in exporters:
+        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    if trace_dir:
+        provider.add_span_processor(SimpleSpanProcessor(span_file_exporter(trace_dir, service_name)))
     trace.set_tracer_provider(provider)
     return True
+
+
+def span_file_exporter(trace_dir: str, service_name: str):
+    """Finished spans as JSON lines in `<trace_dir>/spans-<service>-<pid>.jsonl` (line-buffered)."""
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+    os.makedirs(trace_dir, exist_ok=True)
+    out = open(os.path.join(trace_dir, f"spans-{service_name}-{os.getpid()}.jsonl"), "a", buffering=1)
+    return ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n")
 
 
 def carrier() -> dict[str, str]:
