@@ -39,14 +39,14 @@ def _tiny_config(vocab: int):
     )
 
 
-def _train(tok_dir, out, texts, steps, stop_after=None, **cfg):
+def _train(tok_dir, out, texts, steps, stop_after=None, init_from=None, **cfg):
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     defaults = dict(steps=steps, batch_size=4, seq_len=32, lr=3e-3, warmup=2,
                     checkpoint_every=3, eval_every=1000, eval_windows=4)
     defaults.update(cfg)
     return train_lm(
         _tiny_config(len(tok)), tok_dir, out, TrainConfig(**defaults),
-        texts=texts, heldout_texts=texts[:1], stop_after=stop_after, progress=False,
+        texts=texts, heldout_texts=texts[:1], stop_after=stop_after, progress=False, init_from=init_from,
     )
 
 
@@ -86,3 +86,13 @@ def test_resume_matches_uninterrupted_run(tok_dir, texts, tmp_path):
     assert _train(tok_dir, split, texts, steps=8, stop_after=5) == {}
     _train(tok_dir, split, texts, steps=8)
     assert _losses(split) == _losses(full)
+
+
+def test_init_from_extends_a_finished_run(tok_dir, texts, tmp_path):
+    first, second, fresh = tmp_path / "first", tmp_path / "second", tmp_path / "fresh"
+    _train(tok_dir, first, texts, steps=30, lr=1e-2)
+    _train(tok_dir, second, texts, steps=2, init_from=first / "final")
+    _train(tok_dir, fresh, texts, steps=2)
+    # The extension starts where the first run ended, far below a random init.
+    assert _losses(second)[0] < _losses(fresh)[0] - 0.3
+    assert abs(_losses(second)[0] - sum(_losses(first)[-5:]) / 5) < 0.5

@@ -400,3 +400,32 @@ def test_cli_train_without_mask_token_fails_clearly(tmp_path, capsys):
                    "--out", str(tmp_path / "o"), "--device", "cpu"])
     assert rc == 2
     assert "--mask-token-id" in capsys.readouterr().err
+
+
+def test_cli_train_init_drafter_starts_from_its_weights(tmp_path, capsys):
+    """--init-drafter: a run starts from the given drafter's weights; a shape mismatch is named."""
+    target_dir = tmp_path / "target"
+    tiny_target().save_pretrained(target_dir)
+    tiny_tokenizer().save_pretrained(target_dir)
+    write_data(tmp_path / "data.jsonl", 8)
+    common = ["train", "--target", str(target_dir), "--data", str(tmp_path / "data.jsonl"), "--block-size", "4",
+              "--target-layer-ids", "0,2", "--batch-size", "2", "--max-length", "32", "--max-anchors", "4",
+              "--device", "cpu", "--steps", "1"]
+    first = tmp_path / "first"
+    assert cli_main(common + ["--out", str(first), "--lr", "3e-3", "--seed", "5"]) == 0
+    # A vanishing learning rate keeps the weights where they started.
+    second = tmp_path / "second"
+    assert cli_main(common + ["--out", str(second), "--lr", "1e-12", "--init-drafter", str(first)]) == 0
+    fresh = tmp_path / "fresh"
+    assert cli_main(common + ["--out", str(fresh), "--lr", "1e-12"]) == 0
+    a, b, c = (load_drafter(d).state_dict() for d in (first, second, fresh))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+    capsys.readouterr()
+    rc = cli_main(common + ["--out", str(tmp_path / "bad"), "--init-drafter", str(first), "--num-layers", "2"])
+    assert rc == 2
+    assert "num_hidden_layers=1" in capsys.readouterr().err
+    rc = cli_main(common + ["--out", str(tmp_path / "bad2"), "--init-drafter", str(tmp_path / "nowhere")])
+    assert rc == 2
+    assert "--init-drafter" in capsys.readouterr().err

@@ -49,6 +49,10 @@ def register(sub) -> None:
     o.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
     o.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's; use 1 on a shared machine)")
     o.add_argument("--resume", action="store_true", help="continue from --out/checkpoint (same flags)")
+    o.add_argument("--init-drafter", metavar="DIR",
+                   help="start from this drafter's weights (public DFlash format) instead of a fresh init, "
+                        "with a new schedule: fine-tune a published drafter or extend a finished run; its "
+                        "shape must match the flags")
     p.set_defaults(handler=run)
 
 
@@ -73,6 +77,7 @@ def config_from_args(args: argparse.Namespace):
         regen_batch_size=args.regen_batch_size, eval_prompts=args.eval_prompts,
         eval_max_new_tokens=args.eval_max_new_tokens, save_every=args.save_every, log_every=args.log_every,
         seed=args.seed, device=args.device, amp=args.amp, resume=args.resume,
+        init_drafter=args.init_drafter,
     )
 
 

@@ -248,6 +248,16 @@ def _load_data(tokenizer, data, out_dir: Path, max_files, texts, heldout_texts):
     return train, heldout
 
 
+def _initial_weights(directory: str | Path, model_config: Qwen3Config) -> dict:
+    start = Qwen3ForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "intermediate_size", "tie_word_embeddings"):
+        theirs, ours = getattr(start.config, key), getattr(model_config, key)
+        if theirs != ours:
+            raise SystemExit(f"--init-from '{directory}' has {key}={theirs!r} but the flags build {key}={ours!r}")
+    return start.state_dict()
+
+
 def _save_final(model, tokenizer, out_dir: Path) -> None:
     final = out_dir / "final"
     if final.exists():
@@ -269,12 +279,15 @@ def train_lm(
     heldout_texts: list[str] | None = None,
     stop_after: int | None = None,
     progress: bool = True,
+    init_from: str | Path | None = None,
 ) -> dict:
     """Train a causal LM from scratch; resume from ``out_dir/checkpoint.pt`` if present.
 
     ``data`` is "corpus" or a JSONL path; ``texts``/``heldout_texts`` override the
     training/held-out texts (tests). ``stop_after`` ends the process-run early at
-    that step (after checkpointing), simulating an interruption. Returns the metrics
+    that step (after checkpointing), simulating an interruption. ``init_from`` (a saved
+    model directory of the same shape) replaces the random init of a fresh run, with a
+    new schedule: it extends a finished run. Returns the metrics
     dict written to ``metrics.json`` (empty when stopped early).
     """
     cfg = cfg or TrainConfig()
@@ -289,6 +302,8 @@ def train_lm(
 
     torch.manual_seed(cfg.seed)
     model = Qwen3ForCausalLM(model_config)
+    if init_from is not None:
+        model.load_state_dict(_initial_weights(init_from, model_config))
     model.train()
     optimizer = make_optimizer(model, cfg)
     scheduler = cosine_schedule(optimizer, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
@@ -413,6 +428,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-bf16", dest="bf16", action="store_false")
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--stop-after", type=int, default=None, help="simulate interruption")
+    p.add_argument("--init-from", default=None,
+                   help="start from this saved model's weights (same shape), with a new schedule")
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--heads", type=int, default=4)
@@ -453,6 +470,7 @@ def main(argv: list[str] | None = None) -> None:
         data=args.data,
         max_files=args.max_files,
         stop_after=args.stop_after,
+        init_from=args.init_from,
     )
     if metrics:
         print(json.dumps({k: metrics[k] for k in ("heldout_loss", "heldout_perplexity")}))

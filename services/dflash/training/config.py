@@ -24,6 +24,8 @@ class TrainConfig:
     Optimisation (paper defaults): AdamW lr 6e-4, cosine schedule, warmup_ratio 0.04, grad_clip 1.0.
     Loss: weights exp(-(k-1)/gamma) (gamma None: 7 for block 16, 5 for 10, 4 for 8);
     distill_weight in [0, 1] mixes in KL from the target's softmax.
+    init_drafter: a drafter directory whose weights replace the fresh init (optimizer and schedule start
+    anew); its config must equal the one these flags build.
     """
 
     target: str
@@ -60,6 +62,7 @@ class TrainConfig:
     amp: str = "auto"
     save_dtype: str = "bfloat16"
     resume: bool = False
+    init_drafter: str | None = None
 
     def __post_init__(self) -> None:
         if self.target_layer_ids is not None:
@@ -98,6 +101,9 @@ class TrainConfig:
             raise TrainConfigError(f"save dtype must be bfloat16, float16 or float32, got {self.save_dtype!r}")
         if not Path(self.data).is_file():
             raise TrainConfigError(f"--data '{self.data}' is not a file")
+        if self.init_drafter is not None and not (Path(self.init_drafter) / "config.json").is_file():
+            raise TrainConfigError(f"--init-drafter '{self.init_drafter}' is not a drafter directory "
+                                   "(no config.json there)")
         if self.eval_prompts is not None and not Path(self.eval_prompts).is_file():
             raise TrainConfigError(f"--eval-prompts '{self.eval_prompts}' is not a file")
 
@@ -109,7 +115,7 @@ class TrainConfig:
     # Settings that change what a step computes; a resumed run must keep them.
     RESUME_KEYS = ("block_size", "num_layers", "num_features", "target_layer_ids", "mask_token_id", "lr",
                    "warmup_ratio", "weight_decay", "grad_clip", "batch_size", "grad_accum", "max_length",
-                   "max_anchors", "gamma", "distill_weight", "seed", "epochs", "max_steps")
+                   "max_anchors", "gamma", "distill_weight", "seed", "epochs", "max_steps", "init_drafter")
 
     def resume_mismatch(self, saved: dict) -> str | None:
         """The first step-changing setting that differs from a checkpoint's, as 'name: saved -> now'."""

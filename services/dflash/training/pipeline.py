@@ -3,9 +3,12 @@ build a fresh drafter config, train, and leave a drafter in the public format in
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from ..drafter.checkpoint import check_compatible
+import torch
+
+from ..drafter.checkpoint import check_compatible, load_drafter
 from ..drafter.config import DFlashConfig, default_target_layer_ids
 from ..errors import DFlashError
 from ..loading import load_target, resolve_device, resolve_dtype
@@ -40,6 +43,9 @@ def train(config: TrainConfig) -> Path:
     if skipped:
         print(f"dflash train: skipped {skipped} records with fewer than 2 response tokens")
     drafter_config = drafter_config_for(config, model, tokenizer)
+    init_weights = None
+    if config.init_drafter is not None and not config.resume:
+        init_weights = initial_weights(config.init_drafter, drafter_config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     layer_ids = drafter_config.target_layer_ids
     if config.offline_features:
@@ -53,7 +59,7 @@ def train(config: TrainConfig) -> Path:
     if config.eval_prompts is not None:
         eval_prompts = [prompt_ids(r, tokenizer)[-(config.max_length - 1):] for r in read_records(config.eval_prompts)]
     trainer = Trainer(config, model, drafter_config, samples, features, tokenizer=tokenizer,
-                      eval_prompts=eval_prompts, pad_id=pad_id)
+                      eval_prompts=eval_prompts, pad_id=pad_id, init_weights=init_weights)
     if config.resume:
         trainer.resume()
     return trainer.fit()
@@ -87,3 +93,17 @@ def drafter_config_for(config: TrainConfig, model, tokenizer) -> DFlashConfig:
     )
     check_compatible(drafter_config, model.config, model.get_input_embeddings().weight.shape[0])
     return drafter_config
+
+
+def initial_weights(directory: str, drafter_config: DFlashConfig) -> dict[str, torch.Tensor]:
+    """The float32 weights of the drafter in `directory`, which must have the shape the flags build."""
+    start = load_drafter(directory, dtype=torch.float32)
+    for f in dataclasses.fields(DFlashConfig):
+        if not f.compare:
+            continue
+        theirs, ours = getattr(start.config, f.name), getattr(drafter_config, f.name)
+        if theirs != ours:
+            raise DFlashError(f"--init-drafter '{directory}' has {f.name}={theirs!r} but these flags build "
+                              f"{f.name}={ours!r}; pass matching flags (e.g. --num-layers, --target-layer-ids, "
+                              "--block-size)")
+    return start.state_dict()

@@ -94,6 +94,7 @@ class Trainer:
         tokenizer=None,
         eval_prompts: list[list[int]] = (),
         pad_id: int = 0,
+        init_weights: dict[str, torch.Tensor] | None = None,
     ):
         self.config = config
         self.model = model
@@ -112,6 +113,8 @@ class Trainer:
         torch.manual_seed(config.seed)
         self.drafter = DFlashDraftModel(drafter_config).to(self.device, torch.float32)
         _init_weights(self.drafter, std=0.02)
+        if init_weights is not None:
+            self.drafter.load_state_dict(init_weights)
         self.drafter.train()
         self.weights = loss_weights(config.block_size, gamma_or_default(config.gamma, config.block_size))
         self.optimizer = torch.optim.AdamW(
