@@ -19,6 +19,7 @@ from tiny import VOCAB, engine_for, tiny_drafter, tiny_target
         (dict(max_new_tokens=2.5), "max_new_tokens"),
         (dict(seed=-1), "seed"),
         (dict(block_size=0), "block_size"),
+        (dict(draft_confidence=1.5), "draft_confidence"),
         (dict(stop=("",)), "stop"),
         (dict(stop_token_ids=(-3,)), "stop_token_ids"),
         (dict(extra={"temprature": 1}), "temprature"),

@@ -53,13 +53,14 @@ def test_bench_quick_writes_table_json_plots(dirs, tmp_path, capsys):
     assert main([str(a) for a in args]) == 0
     printed = capsys.readouterr().out
     for name in ("target only (engine, block 1)", "transformers generate", "transformers assisted (AR draft)",
-                 "transformers prompt lookup", "DFlash block 16", "DFlash block 8", "DFlash via service (gRPC)"):
+                 "transformers prompt lookup", "DFlash block 16", "DFlash block 16, draft confidence 0.05",
+                 "DFlash block 8", "DFlash via service (gRPC)"):
         assert name in printed
     assert "| method | T | decode tok/s | speedup |" in printed and "draft forward (drafter layers)" in printed
     data = json.loads((out / "bench.json").read_text())
     rows = data["rows"]
     greedy = [r for r in rows if r.get("temperature") == 0.0 and "unavailable" not in r]
-    assert len(greedy) == 6 and {r["temperature"] for r in rows if "unavailable" not in r} == {0.0, 1.0}
+    assert len(greedy) == 7 and {r["temperature"] for r in rows if "unavailable" not in r} == {0.0, 1.0}
     for r in greedy:
         assert r["greedy_equal"] == "reference" or r["greedy_equal"] == {"equal": 2, "prompts": 2}, r
         assert r["decode_tokens_per_s"] > 0 and r["tau"] >= 1.0

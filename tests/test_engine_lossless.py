@@ -172,3 +172,22 @@ def test_resume_from_committed_tokens_continues_exactly(target, references):
     full = engine_for(target).run(prompt, params).token_ids
     rest = [t for r in engine_for(target).generate(prompt, params, committed_ids=full[:12]) for t in r.token_ids]
     assert rest == full[12:]
+
+
+@pytest.mark.parametrize("confidence", [0.05, 0.5, 0.99])
+def test_confidence_cut_drafts_are_lossless(target, references, confidence):
+    """draft_confidence shortens drafts (a real drafter's cut, and random cuts) without changing the output."""
+    engine = engine_for(target, tiny_drafter(target, block_size=16))
+    for prompt, expected in list(references.items())[:4]:
+        params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, draft_confidence=confidence)
+        got = engine.run(list(prompt), params)
+        assert got.token_ids == expected
+        assert got.stats.draft_tokens < 15 * got.stats.rounds  # an untrained drafter is never that sure
+        cut = oracle_engine(target, list(prompt), expected, error_rate=0.1).run(list(prompt), params)
+        assert cut.token_ids == expected
+    for i, prompt in enumerate(prompts(2, seed=7)):
+        base = SamplingParams(max_new_tokens=32, seed=i, ignore_eos=True, temperature=1.0, block_size=1)
+        expected = engine_for(target).run(prompt, base).token_ids
+        sampled = SamplingParams(max_new_tokens=32, seed=i, ignore_eos=True, temperature=1.0,
+                                 draft_confidence=confidence)
+        assert engine.run(prompt, sampled).token_ids == expected

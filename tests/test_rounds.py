@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from dflash.params import SamplingParams
-from dflash.rounds import accept_length, committed_tokens, cut_at_stop, make_block
+from dflash.errors import InvalidRequestError
+from dflash.rounds import accept_length, committed_tokens, confident_length, cut_at_stop, make_block
 from dflash.sampling import filter_logits, gumbel_noise, sample_tokens
 from dflash.textstream import TextStream
 from tiny import char_tokenizer
@@ -26,6 +27,24 @@ def test_make_block_is_last_token_then_masks():
 )
 def test_accept_length(draft, posterior, expected):
     assert accept_length(torch.tensor(draft, dtype=torch.long), torch.tensor(posterior)) == expected
+
+
+def test_confident_length_keeps_the_jointly_confident_prefix():
+    probs = torch.tensor([0.9, 0.8, 0.5, 0.99, 0.2])  # running product 0.9, 0.72, 0.36, 0.356, 0.071
+    assert confident_length(probs, 0.0) == 5
+    assert confident_length(probs, 0.07) == 5
+    assert confident_length(probs, 0.3) == 4
+    assert confident_length(probs, 0.5) == 2
+    assert confident_length(probs, 0.95) == 1  # never empty: the round still drafts one token
+    assert confident_length(torch.tensor([]), 0.5) == 0
+    # a later confident token does not bring back a cut draft
+    assert confident_length(torch.tensor([0.9, 0.1, 1.0]), 0.5) == 1
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.0, float("nan"), True])
+def test_draft_confidence_is_validated(value):
+    with pytest.raises(InvalidRequestError, match="draft_confidence"):
+        SamplingParams(draft_confidence=value)
 
 
 def test_committed_tokens_are_accepted_drafts_plus_bonus():

@@ -75,6 +75,7 @@ def test_config_errors_name_the_key(tree, field):
     ({"prompt": "x", "top_p": 1.5}, "top_p"),
     ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens"),
     ({"prompt": "x", "max_new_tokens": 10**6}, "max_new_tokens"),
+    ({"prompt": "x", "draft_confidence": 1.0}, "draft_confidence"),
     ({"prompt": "x" * 5000}, "request"),
     ({"session_id": "abc", "temperature": 0.5}, "temperature"),
     ({"prompt": "x", "tokens_received": 3}, "tokens_received"),

@@ -88,12 +88,15 @@ class OracleDrafter:
         self.rng = torch.Generator().manual_seed(seed)
         self.seen = 0
 
-    def draft(self, session_id, context, context_start, last_token, block_size):
+    def draft(self, session_id, context, context_start, last_token, block_size, min_confidence=0.0):
+        """With min_confidence > 0 the draft is cut at a random length (>= 1), like a real drafter's cut."""
         assert context_start == self.seen, "context must continue where the previous call ended"
         self.seen = context_start + context.shape[0]
         first = self.seen + 1 - self.prompt_len  # script index of the first drafted position
         draft = (self.script[first : first + block_size - 1] + [0] * block_size)[: block_size - 1]
         bad = (torch.rand(len(draft), generator=self.rng) < self.error_rate).tolist()
+        if min_confidence > 0:
+            draft = draft[: int(torch.randint(1, len(draft) + 1, (1,), generator=self.rng))]
         return torch.tensor([(t + 1) % (VOCAB - 2) if b else t for t, b in zip(draft, bad)], dtype=torch.long)
 
     def release(self, session_id):

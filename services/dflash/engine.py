@@ -97,18 +97,27 @@ class SpeculativeEngine:
         accepted = accept_length(draft, posterior)
         new_tokens = committed_tokens(draft, posterior, accepted)
         self.commit(gen, accepted, out.features)
-        stats = RoundStats(gen.num_rounds + 1, size - 1, accepted, accepted + 1, 0, draft_ms, self._ms_since(t1))
+        stats = RoundStats(gen.num_rounds + 1, len(draft), accepted, accepted + 1, 0, draft_ms, self._ms_since(t1))
         return self._emit(gen, new_tokens, stats)
 
     def propose(self, gen: Generation, size: int) -> torch.Tensor:
-        """Draft tokens [size - 1] on the CPU; empty when drafting is off for this round."""
+        """Draft tokens [size - 1] on the CPU; empty when drafting is off for this round.
+
+        The drafter always fills the block it was trained on (as far as the context window allows)
+        and the round keeps the first size - 1 proposals: a smaller block size shortens what the
+        target verifies, not the block the drafter sees, because a block of another length (fewer
+        mask slots to attend to) is one it never saw in training.
+        """
         if size == 1:
             return torch.empty(0, dtype=torch.long)
+        room = self.target.max_positions - 1 - gen.position
+        drafted = max(size, min(self.drafter.block_size, room))
         context = gen.pending_features
-        draft = self.drafter.draft(gen.request_id, context, gen.drafter_start, gen.last_token, size)
+        draft = self.drafter.draft(gen.request_id, context, gen.drafter_start, gen.last_token, drafted,
+                                   gen.params.draft_confidence)
         gen.drafter_start += context.shape[0]
         gen.pending_features = None
-        return draft.to("cpu", torch.long)
+        return draft[: size - 1].to("cpu", torch.long)
 
     def commit(self, gen: Generation, accepted: int, features: torch.Tensor) -> None:
         """Keep the target cache up to the last accepted block token; queue its features for the drafter."""

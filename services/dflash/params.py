@@ -17,6 +17,10 @@ class SamplingParams:
     temperature 0 is greedy. top_k 0 and top_p 1.0 switch those filters off. `seed` fixes the
     sampled output: the same seed gives the same tokens at any block size (see sampling.py).
     `block_size` None uses the drafter's trained block size; 1 switches drafting off.
+    `draft_confidence` in [0, 1) shortens each round's draft to the proposals the drafter is jointly
+    confident in (the running product of its top-token probabilities stays >= this; the first is always
+    kept): the target then verifies fewer tokens where a long draft would mostly be rejected. 0 verifies
+    the whole block. The output does not depend on it, only the speed.
     """
 
     max_new_tokens: int = 128
@@ -28,6 +32,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     block_size: int | None = None
+    draft_confidence: float = 0.0
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -43,6 +48,10 @@ class SamplingParams:
             _check_int("seed", self.seed, 0, (1 << 63) - 1)
         if self.block_size is not None:
             _check_int("block_size", self.block_size, 1, 1024)
+        _check_float("draft_confidence", self.draft_confidence)
+        if not 0.0 <= self.draft_confidence < 1.0:
+            raise InvalidRequestError("draft_confidence", f"must be in [0, 1) (0 verifies the whole block), "
+                                      f"got {self.draft_confidence}")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         for s in self.stop:

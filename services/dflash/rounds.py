@@ -17,6 +17,21 @@ def make_block(last_token: int, block_size: int, mask_token_id: int) -> torch.Te
     return block
 
 
+def confident_length(top_probs: torch.Tensor, threshold: float) -> int:
+    """How many leading proposals to keep: while the product of the drafter's top-token probabilities
+    stays >= threshold, at least one (a draft of none would make the round a plain target step).
+
+    top_probs: [n] the drafter's probability of each proposed token. The product estimates the chance
+    that the target accepts every proposal up to there; cutting where it is small saves verifying
+    tokens that would mostly be rejected. threshold 0 keeps all n.
+    """
+    n = top_probs.shape[0]
+    if threshold <= 0.0 or n == 0:
+        return n
+    running = torch.cumprod(top_probs.double(), dim=0)
+    return max(1, int((running >= threshold).sum().item()))
+
+
 def accept_length(draft: torch.Tensor, posterior: torch.Tensor) -> int:
     """Number of draft tokens the target agrees with.
 

@@ -1,6 +1,7 @@
 """Every decoding method behind one small interface: prompt token ids in, a timed `Sample` out.
 
-Methods: our engine (target alone at block 1, DFlash at block 16 and 8), transformers `generate`
+Methods: our engine (target alone at block 1, DFlash at block 16 and 8, and block 16 with drafts cut
+where the drafter's joint confidence falls below a threshold), transformers `generate`
 (plain, assisted with an autoregressive draft model, prompt lookup), and DFlash through the running
 service over gRPC. All time the same things the same way:
 
@@ -57,14 +58,15 @@ class Method(Protocol):
 class EngineMethod:
     """Our decode loop; block 1 is the target alone through the same code path."""
 
-    def __init__(self, name: str, engine: SpeculativeEngine, block_size: int):
+    def __init__(self, name: str, engine: SpeculativeEngine, block_size: int, draft_confidence: float = 0.0):
         self.name = name
         self.engine = engine
         self.block_size = block_size
+        self.draft_confidence = draft_confidence
 
     def run(self, prompt_ids, max_new_tokens, temperature, seed) -> Sample:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                block_size=self.block_size)
+                                block_size=self.block_size, draft_confidence=self.draft_confidence)
         tokens, committed, draft_ms, verify_ms, totals = [], [], 0.0, 0.0, None
         for r in self.engine.generate(prompt_ids, params):
             tokens += r.token_ids
@@ -213,7 +215,7 @@ class ServiceMethod:
 
 def build_methods(keys, engine: SpeculativeEngine, baseline: SpeculativeEngine, ar_model, service: str | None,
                   assist_tokens: int | None = None, lookup_tokens: int = 10,
-                  service_token: str = "") -> tuple[list, dict[str, str]]:
+                  service_token: str = "", draft_confidence: float = 0.05) -> tuple[list, dict[str, str]]:
     """The methods named by `keys` (see commands/bench.py), and {name: reason} for those that cannot run.
 
     `baseline` is the target-only engine (block 1); `ar_model` the assisted-generation draft model or a
@@ -245,6 +247,12 @@ def build_methods(keys, engine: SpeculativeEngine, baseline: SpeculativeEngine, 
                 unavailable[name] = f"the drafter is trained for block {trained}" if trained else "no drafter loaded"
             else:
                 methods.append(EngineMethod(name, engine, size))
+        elif key == "dflash16c":
+            name = f"DFlash block 16, draft confidence {draft_confidence:g}"
+            if trained < 16:
+                unavailable[name] = f"the drafter is trained for block {trained}" if trained else "no drafter loaded"
+            else:
+                methods.append(EngineMethod(name, engine, 16, draft_confidence))
         elif key == "service":
             name = "DFlash via service (gRPC)"
             if not service:

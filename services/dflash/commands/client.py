@@ -26,6 +26,8 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--draft-confidence", type=float, default=None,
+                   help="verify only the leading drafts the drafter is jointly this confident in (0: whole block)")
     p.set_defaults(handler=run)
 
 
@@ -37,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from ..service.client import GenerationClient
 
     fields = {"prompt": args.prompt, "max_new_tokens": args.max_new_tokens, "stop": args.stop}
-    for name in ("temperature", "top_p", "top_k", "seed", "block_size"):
+    for name in ("temperature", "top_p", "top_k", "seed", "block_size", "draft_confidence"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
     final = None

@@ -42,6 +42,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence token")
     p.add_argument("--block-size", type=int, default=None, help="draft block size; 1 runs the target alone (default: the drafter's)")
+    p.add_argument("--draft-confidence", type=float, default=0.0,
+                   help="verify only the leading drafts whose joint drafter confidence stays >= this (0, the "
+                        "default, verifies the whole block; same output, fewer verified tokens on a CPU)")
 
 
 def params_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -55,6 +58,7 @@ def params_from_args(args: argparse.Namespace) -> SamplingParams:
         stop_token_ids=tuple(args.stop_token_id),
         ignore_eos=args.ignore_eos,
         block_size=args.block_size,
+        draft_confidence=args.draft_confidence,
     )
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..errors import DFlashError
-from ..rounds import make_block
+from ..rounds import confident_length, make_block
 from .model import DFlashDraftModel, DraftCache
 
 
@@ -37,7 +37,8 @@ class LocalDrafter:
 
     @torch.inference_mode()
     def draft(
-        self, session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int
+        self, session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int,
+        min_confidence: float = 0.0,
     ) -> torch.Tensor:
         cache = self._caches.get(session_id)
         if cache is None:
@@ -60,7 +61,10 @@ class LocalDrafter:
             cache=cache,
         )
         logits = self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))
-        return logits.argmax(dim=-1)
+        if min_confidence <= 0.0:
+            return logits.argmax(dim=-1)
+        top, tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        return tokens[: confident_length(top, min_confidence)]
 
     def release(self, session_id: str) -> None:
         self._caches.pop(session_id, None)

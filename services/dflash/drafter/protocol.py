@@ -27,13 +27,15 @@ class Drafter(Protocol):
         context_start: int,
         last_token: int,
         block_size: int,
+        min_confidence: float = 0.0,
     ) -> torch.Tensor:
         """Draft the tokens after `last_token`.
 
         context: [n, num_features * hidden] target features of positions context_start .. context_start+n-1,
             the positions committed since the previous call (all prompt positions on the first call).
         last_token: the last committed token, at position context_start + n (not yet seen by the target).
-        Returns a LongTensor [block_size - 1]: proposals for positions context_start + n + 1 onwards.
+        Returns a LongTensor [block_size - 1]: proposals for positions context_start + n + 1 onwards;
+            with min_confidence > 0 only the leading ones `rounds.confident_length` keeps (at least one).
         Raises KeyError-free `DFlashError`s only; an unknown session with context_start > 0 is an error
         the caller answers by replaying context from position 0.
         """

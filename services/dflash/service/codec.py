@@ -54,13 +54,14 @@ def from_proto(message: drafter_pb2.Tensor) -> torch.Tensor:
 
 
 def draft_request_chunks(
-    session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int, chunk_bytes: int
+    session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int, chunk_bytes: int,
+    min_confidence: float = 0.0,
 ) -> Iterator[drafter_pb2.DraftRequestChunk]:
     """The Draft call's client stream: header + dtype/shape first, the context's bytes in slices."""
     data = tensor_bytes(context)
     head = drafter_pb2.DraftRequestChunk(
         session_id=session_id, context_start=context_start, last_token=last_token, block_size=block_size,
-        context=drafter_pb2.Tensor(dtype=NAMES[context.dtype], shape=list(context.shape), data=data[:chunk_bytes]),
+        min_confidence=min_confidence, context=drafter_pb2.Tensor(dtype=NAMES[context.dtype], shape=list(context.shape), data=data[:chunk_bytes]),
     )
     yield head
     for offset in range(chunk_bytes, len(data), chunk_bytes):

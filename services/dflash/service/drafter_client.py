@@ -47,13 +47,15 @@ class RemoteDrafter:
         self._last_replica: dict[str, str] = {}
         self._lock = threading.Lock()
 
-    def draft(self, session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int) -> torch.Tensor:
-        """Draft ids [block_size - 1], or an empty tensor when no replica answered (a target-only round)."""
+    def draft(self, session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int,
+              min_confidence: float = 0.0) -> torch.Tensor:
+        """Draft ids (see `Drafter.draft`), or an empty tensor when no replica answered (a target-only round)."""
         self._log_context(session_id, context, context_start)
         span = trace.get_current_span()
         for address in self._candidates(session_id):
             try:
-                reply = self._call(address, session_id, context, context_start, last_token, block_size)
+                reply = self._call(address, session_id, context, context_start, last_token, block_size,
+                                   min_confidence)
             except grpc.RpcError as exc:
                 self._mark_failed(address)
                 span.add_event("drafter failed", {"dflash.drafter.replica": address, "grpc.code": str(exc.code())})
@@ -83,9 +85,9 @@ class RemoteDrafter:
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _call(self, address, session_id, context, context_start, last_token, block_size):
+    def _call(self, address, session_id, context, context_start, last_token, block_size, min_confidence):
         chunks = codec.draft_request_chunks(
-            session_id, context, context_start, last_token, block_size, self.net.chunk_bytes
+            session_id, context, context_start, last_token, block_size, self.net.chunk_bytes, min_confidence
         )
         return self._stub(address).Draft(chunks, timeout=self.net.timeout_s, metadata=tracing.outgoing_metadata())
 

@@ -35,10 +35,13 @@ class DraftSessions:
         self._recent: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()  # one forward at a time: the model is shared
 
-    def draft(self, session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int):
-        """Returns (draft ids [block_size - 1], rebuilt)."""
+    def draft(self, session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int,
+              min_confidence: float = 0.0):
+        """Returns (draft ids, see `Drafter.draft`, rebuilt)."""
         if not 1 < block_size <= self.drafter.block_size:
             raise DFlashError(f"block_size: {block_size} outside [2, {self.drafter.block_size}]")
+        if not 0.0 <= min_confidence < 1.0:
+            raise DFlashError(f"min_confidence: {min_confidence} outside [0, 1)")
         with self._lock:
             rebuilt = False
             if context_start == 0:
@@ -47,7 +50,8 @@ class DraftSessions:
                 context, context_start = self._rebuild(session_id, context, context_start)
                 rebuilt = True
             self._touch(session_id)
-            return self.drafter.draft(session_id, context, context_start, last_token, block_size), rebuilt
+            draft = self.drafter.draft(session_id, context, context_start, last_token, block_size, min_confidence)
+            return draft, rebuilt
 
     def _rebuild(self, session_id: str, context: torch.Tensor, context_start: int):
         """Context from the log, contiguous up to context_start, followed by this call's context."""
@@ -116,7 +120,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             t0 = time.perf_counter()
             try:
                 draft, rebuilt = self.sessions.draft(
-                    head.session_id, features, head.context_start, head.last_token, head.block_size
+                    head.session_id, features, head.context_start, head.last_token, head.block_size,
+                    head.min_confidence,
                 )
             except DFlashError as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

@@ -19,7 +19,7 @@ from .config import ServiceConfig
 from .messages import StreamError, VerifyRequest
 from .metrics import ServiceMetrics
 
-SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "block_size")
+SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "block_size", "draft_confidence")
 LIST_FIELDS = ("stop", "stop_token_ids")
 
 
