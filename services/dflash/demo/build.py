@@ -9,8 +9,11 @@ checkpoint, so an interrupted build continues where it stopped. Stages:
 4. drafter    `dflash train`: target-regenerated completions, then the DFlash recipe
 5. ar-draft   the classic baseline: a small autoregressive LM of about the drafter's cost, trained
               with the same budget on the same regenerated text
-6. eval       tau at T=0 and T=1, block 8 and 16, on held-out modules, beside the baseline
-7. install    bf16 copies into the package's assets/demo with manifest.json and training curves
+6. drafter-extend, ar-extend
+              both models trained further side by side, each from its stage's final weights with a
+              new schedule and data order (`--init-drafter` / `--init-from`), again with one budget
+7. eval       tau at T=0 and T=1, block 8 and 16, on held-out modules, beside the baseline
+8. install    bf16 copies into the package's assets/demo with manifest.json and training curves
 """
 
 from __future__ import annotations
@@ -56,7 +59,33 @@ def stage_commands(work: Path) -> dict[str, list[str]]:
             "--seq-len", "256", "--lr", "2e-3", "--min-lr-ratio", "0.1", "--warmup", "40", "--seed", str(SEED),
             "--checkpoint-every", "50", "--eval-every", "200", "--eval-windows", "32", "--threads", "1",
         ],
+        # About 95 minutes each on one core of the 2-core build machine, run at the same time.
+        "drafter-extend": PY + [
+            "dflash.cli", "train", "--target", str(work / "target" / "final"),
+            "--data", str(work / "drafter" / "regenerated.jsonl"), "--out", str(work / "drafter-extended"),
+            "--init-drafter", str(work / "drafter"), "--max-length", "384", "--block-size", "16",
+            "--num-layers", "2", "--num-features", "3", "--epochs", "3", "--steps", "2500", "--lr", "1e-3",
+            "--batch-size", "8", "--max-anchors", "48", "--distill-weight", "0.5", "--save-every", "50",
+            "--eval-prompts", str(work / "heldout.jsonl"), "--eval-max-new-tokens", "96", "--seed", "1",
+            "--threads", "1", "--device", "cpu",
+        ],
+        "ar-extend": PY + [
+            "dflash.demo.pretrain", "--out", str(work / "ar-draft-extended"), "--tokenizer", str(work / "tokenizer"),
+            "--data", str(work / "ar-data.jsonl"), "--layers", "2", "--steps", "4300", "--batch-size", "16",
+            "--seq-len", "256", "--lr", "1.3e-3", "--min-lr-ratio", "0.1", "--warmup", "40", "--seed", "1",
+            "--checkpoint-every", "50", "--eval-every", "200", "--eval-windows", "32", "--threads", "1",
+            "--init-from", str(work / "ar-draft" / "final"),
+        ],
     }
+
+
+def final_dirs(work: Path) -> tuple[Path, Path]:
+    """The drafter and AR draft that eval and install use: the extended ones once they exist."""
+    drafter = work / "drafter-extended" if (work / "drafter-extended" / "model.safetensors").is_file() \
+        else work / "drafter"
+    ar = work / "ar-draft-extended" if (work / "ar-draft-extended" / "final" / "config.json").is_file() \
+        else work / "ar-draft"
+    return drafter, ar / "final"
 
 
 def run(cmd: list[str], log: Path) -> None:
@@ -90,7 +119,8 @@ def evaluate(work: Path) -> dict:
 
     prompts = [json.loads(line)["prompt"] for line in open(work / "heldout.jsonl")]
     tokenizer = AutoTokenizer.from_pretrained(str(work / "target" / "final"))
-    target, drafter, ar = work / "target" / "final", work / "drafter", work / "ar-draft" / "final"
+    target = work / "target" / "final"
+    drafter, ar = final_dirs(work)
     rows = []
     for temperature in (0.0, 1.0):
         for block in (16, 8):
@@ -112,20 +142,22 @@ def install(work: Path, dest: Path = DEMO_DIR) -> None:
     from ..drafter.checkpoint import load_drafter, save_drafter
 
     dest.mkdir(parents=True, exist_ok=True)
-    for name, src in (("target", work / "target" / "final"), ("ar-draft", work / "ar-draft" / "final")):
+    drafter, ar = final_dirs(work)
+    for name, src in (("target", work / "target" / "final"), ("ar-draft", ar)):
         model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16)
         shutil.rmtree(dest / name, ignore_errors=True)
         model.save_pretrained(dest / name, safe_serialization=True)
         AutoTokenizer.from_pretrained(str(src)).save_pretrained(dest / name)
     shutil.rmtree(dest / "drafter", ignore_errors=True)
-    save_drafter(load_drafter(work / "drafter"), dest / "drafter", dtype=torch.bfloat16)
+    save_drafter(load_drafter(drafter), dest / "drafter", dtype=torch.bfloat16)
     manifest = {
         "seed": SEED,
         "commands": {k: " ".join(["python"] + v[1:]) for k, v in stage_commands(Path("runs/demo")).items()},
         "rebuild": "dflash demo build --work runs/demo",
         "heldout_modules": list(corpus.HELD_OUT_MODULES),
         "target_metrics": json.loads((work / "target" / "final" / ".." / "metrics.json").read_text()),
-        "ar_draft_metrics": json.loads((work / "ar-draft" / "metrics.json").read_text()),
+        "ar_draft_metrics": json.loads((ar.parent / "metrics.json").read_text()),
+        "installed": {"drafter": str(drafter), "ar_draft": str(ar)},
         "eval": json.loads((work / "eval.json").read_text()),
     }
     (dest / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -140,9 +172,10 @@ def build(work: Path, stages: list[str]) -> None:
     log = work / "build.log"
     for stage in stages:
         print(f"== {stage}", flush=True)
-        if stage in ("tokenizer", "target", "ar-draft", "drafter"):
+        if stage in ("tokenizer", "target", "ar-draft", "drafter", "drafter-extend", "ar-extend"):
             cmd = list(commands[stage])
-            if stage == "drafter" and (work / "drafter" / "checkpoint").exists():
+            out = {"drafter": "drafter", "drafter-extend": "drafter-extended"}.get(stage)
+            if out and (work / out / "checkpoint").exists():
                 cmd.append("--resume")
             if stage == "ar-draft":
                 write_ar_data(work)
@@ -155,4 +188,4 @@ def build(work: Path, stages: list[str]) -> None:
             install(work)
 
 
-STAGES = ["tokenizer", "target", "prompts", "drafter", "ar-draft", "eval", "install"]
+STAGES = ["tokenizer", "target", "prompts", "drafter", "ar-draft", "drafter-extend", "ar-extend", "eval", "install"]

@@ -19,20 +19,39 @@ def plot_curves(work: Path, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    # An extension run continues its stage's curve: its steps are drawn after the first run's last step.
     for ax, name, title in ((axes[0], "target", "target LM"), (axes[2], "ar-draft", "autoregressive draft")):
-        log = [r for r in _read(work / name / "train_log.jsonl") if "loss" in r]
-        ax.plot([r["step"] for r in log], [r["loss"] for r in log], label="train loss", lw=0.8)
-        held = [r for r in _read(work / name / "train_log.jsonl") if "heldout_loss" in r]
-        if held:
-            ax.plot([r["step"] for r in held], [r["heldout_loss"] for r in held], "o-", label="held-out loss")
+        offset = 0
+        for run, label in ((name, ""), (name + "-extended", " (extension)")):
+            records = _read(work / run / "train_log.jsonl")
+            log = [r for r in records if "loss" in r]
+            if not log:
+                continue
+            ax.plot([offset + r["step"] for r in log], [r["loss"] for r in log], label="train loss" + label, lw=0.8)
+            held = [r for r in records if "heldout_loss" in r]
+            if held:
+                ax.plot([offset + r["step"] for r in held], [r["heldout_loss"] for r in held], "o-",
+                        label="held-out loss" + label)
+            offset += log[-1]["step"]
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.legend()
-    log = [r for r in _read(work / "drafter" / "train_log.jsonl") if "loss" in r]
-    axes[1].plot([r["step"] for r in log], [r["loss"] for r in log], lw=0.8, label="loss")
+    offset, tau_ax = 0, axes[1].twinx()
+    for run, label in (("drafter", ""), ("drafter-extended", " (extension)")):
+        records = _read(work / run / "train_log.jsonl")
+        log = [r for r in records if "loss" in r]
+        if not log:
+            continue
+        axes[1].plot([offset + r["step"] for r in log], [r["loss"] for r in log], lw=0.8, label="loss" + label)
+        evals = [r for r in records if r.get("event") == "eval"]
+        tau_ax.plot([offset + r["step"] for r in evals], [r["tau"] for r in evals], "s-", color="black",
+                    label="held-out tau" + label)
+        offset += log[-1]["step"]
     axes[1].set_title("DFlash drafter")
     axes[1].set_xlabel("step")
-    axes[1].legend()
+    tau_ax.set_ylabel("tau (T=0, block 16)")
+    axes[1].legend(loc="upper center")
+    tau_ax.legend(loc="upper right")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
