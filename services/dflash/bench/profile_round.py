@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..engine import SpeculativeEngine
 from ..params import SamplingParams
@@ -38,9 +38,13 @@ class RoundProfile:
     parts_ms: dict[str, float]  # mean per part; the parts add up to round_ms
     committed_per_round: float
     target_step_ms: float | None  # one target-only round (block 1), when a baseline engine was given
+    draft_confidence: float = 0.0
+    verified_per_round: float = 0.0  # tokens the target verified per round (the last token + the drafts)
 
     def to_dict(self) -> dict:
-        return {"block_size": self.block_size, "rounds": self.rounds, "round_ms": round(self.round_ms, 3),
+        return {"block_size": self.block_size, "draft_confidence": self.draft_confidence,
+                "verified_per_round": round(self.verified_per_round, 3),
+                "rounds": self.rounds, "round_ms": round(self.round_ms, 3),
                 "parts_ms": {k: round(v, 3) for k, v in self.parts_ms.items()},
                 "committed_per_round": round(self.committed_per_round, 3),
                 "target_step_ms": None if self.target_step_ms is None else round(self.target_step_ms, 3)}
@@ -96,10 +100,11 @@ class _Timers:
 
 
 def profile_round(engine: SpeculativeEngine, prompt_ids: list[int], block_size: int, rounds: int = 24,
-                  warmup: int = 3, baseline: SpeculativeEngine | None = None) -> RoundProfile:
+                  warmup: int = 3, baseline: SpeculativeEngine | None = None,
+                  draft_confidence: float = 0.0) -> RoundProfile:
     """Time of each part of `rounds` greedy rounds (after `warmup`) on one prompt; see `_summarize`."""
     params = SamplingParams(max_new_tokens=(rounds + warmup + 1) * block_size, block_size=block_size,
-                            ignore_eos=True)
+                            ignore_eos=True, draft_confidence=draft_confidence)
     gen = engine.start(prompt_ids, params)
     engine.prefill(gen)
     timers = _Timers()
@@ -123,11 +128,13 @@ def profile_round(engine: SpeculativeEngine, prompt_ids: list[int], block_size: 
             acc = timers.take()
             acc["acceptance"] = _acceptance_seconds(timers.last, gen.params, gen.seed, position + 1)
             if i >= warmup:
-                samples.append((wall, acc, out.stats.committed))
+                samples.append((wall, acc, out.stats.committed, out.stats.draft_tokens + 1))
     finally:
         timers.close()
         engine.release(gen)
-    return _summarize(block_size, samples, _target_step_ms(baseline, prompt_ids, rounds) if baseline else None)
+    profile = _summarize(block_size, samples, _target_step_ms(baseline, prompt_ids, rounds) if baseline else None)
+    return replace(profile, draft_confidence=draft_confidence,
+                   verified_per_round=statistics.fmean(s[3] for s in samples))
 
 
 def _acceptance_seconds(last: dict, params, seed, position) -> float:
@@ -144,7 +151,7 @@ def _summarize(block_size, samples, target_step_ms) -> RoundProfile:
     that a background process interrupted does not count."""
     kept = sorted(samples, key=lambda s: s[0])[: max(1, (3 * len(samples) + 3) // 4)]
     parts = defaultdict(list)
-    for wall, acc, _ in kept:
+    for wall, acc, *_ in kept:
         p = {
             "draft_forward": acc.get("draft_forward", 0.0),
             "draft_head": acc.get("draft_head", 0.0),
@@ -159,8 +166,8 @@ def _summarize(block_size, samples, target_step_ms) -> RoundProfile:
         for k, v in p.items():
             parts[k].append(1000 * v)
     means = {k: statistics.fmean(parts[k]) for k, _ in PARTS}
-    return RoundProfile(block_size, len(kept), statistics.fmean(1000 * w for w, _, _ in kept), means,
-                        statistics.fmean(c for _, _, c in samples), target_step_ms)
+    return RoundProfile(block_size, len(kept), statistics.fmean(1000 * s[0] for s in kept), means,
+                        statistics.fmean(s[2] for s in samples), target_step_ms)
 
 
 def _target_step_ms(baseline: SpeculativeEngine, prompt_ids, rounds) -> float:
@@ -183,7 +190,9 @@ def _target_step_ms(baseline: SpeculativeEngine, prompt_ids, rounds) -> float:
 def format_profile(p: RoundProfile, tau: float | None = None) -> str:
     """The breakdown as a Markdown table, then what it implies."""
     total = sum(p.parts_ms.values()) or 1.0
-    lines = [f"| part of one round (block {p.block_size}, mean of {p.rounds}) | ms | share |", "|---|---|---|"]
+    cut = f", draft confidence {p.draft_confidence:g}" if p.draft_confidence else ""
+    lines = [f"| part of one round (block {p.block_size}{cut}, {p.verified_per_round:.1f} tokens verified, "
+             f"mean of {p.rounds}) | ms | share |", "|---|---|---|"]
     for key, label in PARTS:
         lines.append(f"| {label} | {p.parts_ms[key]:.2f} | {100 * p.parts_ms[key] / total:.0f}% |")
     lines.append(f"| **round** | **{p.round_ms:.2f}** | |")

@@ -131,6 +131,8 @@ def run_compare(args: argparse.Namespace, settings: BenchArgs) -> int:
     prompts = [engine.encode(p) for p in read_prompts(args, settings.num_prompts)]
     if args.profile:
         print(profile_text(engine, baseline, prompts[0], settings, None))
+        if args.draft_confidence > 0:
+            print("\n" + profile_text(engine, baseline, prompts[0], settings, None, args.draft_confidence))
         return 0
     methods, unavailable = build_methods(settings.methods, engine, baseline, ar_model, args.service,
                                          args.assist_tokens, args.lookup_tokens, args.service_token,
@@ -141,6 +143,9 @@ def run_compare(args: argparse.Namespace, settings: BenchArgs) -> int:
     profile = None
     if not args.no_profile and engine.drafter is not None:
         profile = profile_text(engine, baseline, prompts[0], settings, _tau(rows, engine.drafter.block_size))
+        if "dflash16c" in settings.methods and engine.drafter.block_size >= 16:
+            profile += "\n\n" + profile_text(engine, baseline, prompts[0], settings,
+                                              _tau(rows, 16, args.draft_confidence), args.draft_confidence)
         print("\n" + profile)
     meta = {"command": command_line(args), "machine": machine(), "settings": settings.__dict__,
             "models": {"target": str(target), "drafter": str(drafter), "ar_draft": str(ar_draft)},
@@ -185,19 +190,21 @@ def load_models(target, drafter, ar_draft, args):
     return engine, baseline, ar_model
 
 
-def _tau(rows, block_size) -> float | None:
+def _tau(rows, block_size, draft_confidence: float = 0.0) -> float | None:
+    name = f"DFlash block {block_size}" + (f", draft confidence {draft_confidence:g}" if draft_confidence else "")
     for r in rows:
-        if r["method"] == f"DFlash block {block_size}" and r["temperature"] == 0.0 and "unavailable" not in r:
+        if r["method"] == name and r["temperature"] == 0.0 and "unavailable" not in r:
             return r["tau"]
     return None
 
 
-def profile_text(engine, baseline, prompt_ids, settings: BenchArgs, tau) -> str:
+def profile_text(engine, baseline, prompt_ids, settings: BenchArgs, tau, draft_confidence: float = 0.0) -> str:
     from ..bench.profile_round import format_profile, profile_round
 
     if engine.drafter is None:
         raise DFlashError("--profile needs a drafter")
-    p = profile_round(engine, prompt_ids, engine.drafter.block_size, settings.profile_rounds, baseline=baseline)
+    p = profile_round(engine, prompt_ids, engine.drafter.block_size, settings.profile_rounds, baseline=baseline,
+                      draft_confidence=draft_confidence)
     return format_profile(p, tau)
 
 
