@@ -121,7 +121,8 @@ class DrafterDeployment:
         _setup(cfg, "dflash-drafter")
         store = _store(cfg)
         net = cfg.drafter_net
-        self.server = DrafterServer(build_draft_sessions(cfg, store), store, net.host, net.port).start()
+        self.server = DrafterServer(build_draft_sessions(cfg, store), store, net.host, net.port,
+                                    workers=net.workers).start()
 
     def address(self) -> str:
         return self.server.address

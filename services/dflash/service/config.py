@@ -88,6 +88,7 @@ class DrafterNetConfig:
     retry_after_s: float = 2.0  # a failed replica is skipped this long before it is tried again
     chunk_bytes: int = 1 << 20  # context tensors travel in slices of this size
     max_sessions: int = 256  # hot draft caches per replica (least recently used evicted)
+    workers: int = 8  # gRPC server threads per replica: Draft calls in flight at most (more wait, uncounted)
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,9 @@ class ServiceConfig:
             if name == "drafter" and self.mode == "disaggregated" and auto and auto.min_replicas < 1:
                 raise ConfigError("drafter.autoscaling_config.min_replicas: must be >= 1; drafter replicas report "
                                   "their own load, so with none running nothing would scale them up")
+        for key in ("max_sessions", "workers", "chunk_bytes"):
+            if getattr(self.drafter_net, key) < 1:
+                raise ConfigError(f"drafter_net.{key}: must be >= 1, got {getattr(self.drafter_net, key)}")
         if self.limits.max_new_tokens < 1:
             raise ConfigError("limits.max_new_tokens: must be >= 1")
         if self.tls.enabled and self.tls.upstream_port and self.tls.upstream_port == self.grpc_port:
