@@ -31,6 +31,7 @@ SEED = 0
 NUM_TRAIN_PROMPTS = 8000
 NUM_EVAL_PROMPTS = 24
 EVAL_MAX_NEW_TOKENS = 128
+EVAL_DRAFT_CONFIDENCE = 0.05  # also measured: block 16 with drafts cut at this joint confidence
 PY = [sys.executable, "-m"]
 
 
@@ -126,6 +127,8 @@ def evaluate(work: Path) -> dict:
         for block in (16, 8):
             rows.append(dflash_tau(target, drafter, prompts, block, temperature, EVAL_MAX_NEW_TOKENS))
             print(json.dumps(rows[-1]), flush=True)
+        rows.append(dflash_tau(target, drafter, prompts, 16, temperature, EVAL_MAX_NEW_TOKENS, EVAL_DRAFT_CONFIDENCE))
+        print(json.dumps(rows[-1]), flush=True)
         rows.append(assisted_tau(target, ar, tokenizer, prompts, 15, temperature, EVAL_MAX_NEW_TOKENS))
         print(json.dumps(rows[-1]), flush=True)
     result = {"heldout_modules": list(corpus.HELD_OUT_MODULES), "prompts": len(prompts),

@@ -18,20 +18,23 @@ SEEDS_PER_PROMPT = 1
 
 
 def dflash_tau(target_dir, drafter_dir, prompts: list[str], block_size: int, temperature: float,
-               max_new_tokens: int) -> dict:
+               max_new_tokens: int, draft_confidence: float = 0.0) -> dict:
     engine = build_engine(target_dir, drafter_dir, device="cpu", dtype="float32")
-    rounds = committed = 0
+    rounds = committed = verified = 0
     hist: dict[int, int] = {}
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=i,
-                                block_size=block_size)
+                                block_size=block_size, draft_confidence=draft_confidence)
         stats = engine.run(engine.encode(prompt), params).stats
         rounds += stats.rounds
+        verified += stats.draft_tokens + stats.rounds
         for k, n in stats.acceptance_histogram.items():
             hist[k] = hist.get(k, 0) + n
             committed += k * n
-    return {"method": "dflash", "block_size": block_size, "temperature": temperature,
+    method = "dflash" if not draft_confidence else f"dflash-confidence-{draft_confidence:g}"
+    return {"method": method, "block_size": block_size, "temperature": temperature,
             "tau": round(committed / max(rounds, 1), 3), "rounds": rounds,
+            "verified_per_round": round(verified / max(rounds, 1), 3),
             "acceptance_histogram": {str(k): v for k, v in sorted(hist.items())}}
 
 
