@@ -81,12 +81,28 @@ def stage_commands(work: Path) -> dict[str, list[str]]:
 
 
 def final_dirs(work: Path) -> tuple[Path, Path]:
-    """The drafter and AR draft that eval and install use: the extended ones once they exist."""
-    drafter = work / "drafter-extended" if (work / "drafter-extended" / "model.safetensors").is_file() \
-        else work / "drafter"
-    ar = work / "ar-draft-extended" if (work / "ar-draft-extended" / "final" / "config.json").is_file() \
-        else work / "ar-draft"
+    """The drafter and AR draft that eval and install use. Each model's extension replaces its first run
+    only if it is better on that run's own validation measure (early stopping, the same rule for both):
+    held-out tau at the end of training for the drafter, held-out loss for the AR draft."""
+    drafter = work / "drafter"
+    if (work / "drafter-extended" / "model.safetensors").is_file() and \
+            _last_eval_tau(work / "drafter-extended") > _last_eval_tau(work / "drafter"):
+        drafter = work / "drafter-extended"
+    ar = work / "ar-draft"
+    if (work / "ar-draft-extended" / "final" / "config.json").is_file() and \
+            _heldout_loss(work / "ar-draft-extended") < _heldout_loss(work / "ar-draft"):
+        ar = work / "ar-draft-extended"
     return drafter, ar / "final"
+
+
+def _last_eval_tau(run: Path) -> float:
+    taus = [r["tau"] for r in map(json.loads, (run / "train_log.jsonl").read_text().splitlines())
+            if r.get("event") == "eval"]
+    return taus[-1] if taus else 0.0
+
+
+def _heldout_loss(run: Path) -> float:
+    return json.loads((run / "metrics.json").read_text())["heldout_loss"]
 
 
 def run(cmd: list[str], log: Path) -> None:
