@@ -177,6 +177,12 @@ def install(work: Path, dest: Path = DEMO_DIR) -> None:
         "target_metrics": json.loads((work / "target" / "final" / ".." / "metrics.json").read_text()),
         "ar_draft_metrics": json.loads((ar.parent / "metrics.json").read_text()),
         "installed": {"drafter": str(drafter), "ar_draft": str(ar)},
+        "selection": {  # the validation measures final_dirs chose by, for every run that exists
+            "drafter_heldout_tau": {run: _last_eval_tau(work / run) for run in ("drafter", "drafter-extended")
+                                    if (work / run / "train_log.jsonl").is_file()},
+            "ar_draft_heldout_loss": {run: _heldout_loss(work / run) for run in ("ar-draft", "ar-draft-extended")
+                                      if (work / run / "metrics.json").is_file()},
+        },
         "eval": json.loads((work / "eval.json").read_text()),
     }
     (dest / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
