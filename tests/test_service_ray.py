@@ -324,9 +324,11 @@ def kill_process_listening_on(address: str) -> None:
 
     import psutil
 
-    port = int(address.rsplit(":", 1)[1])
+    host, port = address.rsplit(":", 1)
+    port = int(port)
     for conn in psutil.net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+        # The host too: a Ray worker may listen on the same port number on another interface.
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.laddr.ip == host and conn.pid:
             os.kill(conn.pid, signal.SIGKILL)
             return
     raise AssertionError(f"nothing listens on {address}")
