@@ -328,7 +328,8 @@ def kill_process_listening_on(address: str) -> None:
     port = int(port)
     for conn in psutil.net_connections(kind="tcp"):
         # The host too: a Ray worker may listen on the same port number on another interface.
-        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.laddr.ip == host and conn.pid:
+        ip = conn.laddr.ip.removeprefix("::ffff:") if conn.laddr else ""  # gRPC listens on IPv4-mapped v6
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and ip == host and conn.pid:
             os.kill(conn.pid, signal.SIGKILL)
             return
     raise AssertionError(f"nothing listens on {address}")
