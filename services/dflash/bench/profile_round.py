@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..engine import SpeculativeEngine
 from ..params import SamplingParams
@@ -38,8 +38,8 @@ class RoundProfile:
     parts_ms: dict[str, float]  # mean per part; the parts add up to round_ms
     committed_per_round: float
     target_step_ms: float | None  # one target-only round (block 1), when a baseline engine was given
-    draft_confidence: float = 0.0
-    verified_per_round: float = 0.0  # tokens the target verified per round (the last token + the drafts)
+    draft_confidence: float
+    verified_per_round: float  # tokens the target verified per round (the last token + the drafts)
 
     def to_dict(self) -> dict:
         return {"block_size": self.block_size, "draft_confidence": self.draft_confidence,
@@ -132,9 +132,8 @@ def profile_round(engine: SpeculativeEngine, prompt_ids: list[int], block_size: 
     finally:
         timers.close()
         engine.release(gen)
-    profile = _summarize(block_size, samples, _target_step_ms(baseline, prompt_ids, rounds) if baseline else None)
-    return replace(profile, draft_confidence=draft_confidence,
-                   verified_per_round=statistics.fmean(s[3] for s in samples))
+    step_ms = _target_step_ms(baseline, prompt_ids, rounds) if baseline else None
+    return _summarize(block_size, draft_confidence, samples, step_ms)
 
 
 def _acceptance_seconds(last: dict, params, seed, position) -> float:
@@ -146,7 +145,7 @@ def _acceptance_seconds(last: dict, params, seed, position) -> float:
     return time.perf_counter() - t0
 
 
-def _summarize(block_size, samples, target_step_ms) -> RoundProfile:
+def _summarize(block_size, draft_confidence, samples, target_step_ms) -> RoundProfile:
     """Mean of each part over the fastest 75% of rounds: parts add up to the round, and a round
     that a background process interrupted does not count."""
     kept = sorted(samples, key=lambda s: s[0])[: max(1, (3 * len(samples) + 3) // 4)]
@@ -167,7 +166,8 @@ def _summarize(block_size, samples, target_step_ms) -> RoundProfile:
             parts[k].append(1000 * v)
     means = {k: statistics.fmean(parts[k]) for k, _ in PARTS}
     return RoundProfile(block_size, len(kept), statistics.fmean(1000 * s[0] for s in kept), means,
-                        statistics.fmean(s[2] for s in samples), target_step_ms)
+                        statistics.fmean(s[2] for s in samples), target_step_ms, draft_confidence,
+                        statistics.fmean(s[3] for s in samples))
 
 
 def _target_step_ms(baseline: SpeculativeEngine, prompt_ids, rounds) -> float:
