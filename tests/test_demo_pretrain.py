@@ -8,6 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash.demo import corpus
+from dflash.errors import CheckpointError
 from dflash.demo.pretrain import TrainConfig, demo_model_config, train_lm
 from dflash.demo.tokenizer import MASK_TOKEN, build_tokenizer
 
@@ -96,3 +97,44 @@ def test_init_from_extends_a_finished_run(tok_dir, texts, tmp_path):
     # The extension starts where the first run ended, far below a random init.
     assert _losses(second)[0] < _losses(fresh)[0] - 0.3
     assert abs(_losses(second)[0] - sum(_losses(first)[-5:]) / 5) < 0.5
+    # Weights of another shape are refused with the field that differs, before any step.
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    wider = demo_model_config(vocab_size=len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                              head_dim=16, intermediate_size=64, max_position_embeddings=128)
+    with pytest.raises(CheckpointError, match="num_hidden_layers=1 but the flags build num_hidden_layers=2"):
+        train_lm(wider, tok_dir, tmp_path / "bad", TrainConfig(steps=2, batch_size=4, seq_len=32),
+                 texts=texts, heldout_texts=texts[:1], progress=False, init_from=first / "final")
+
+
+def test_build_keeps_each_models_best_run_by_its_own_validation_measure(tmp_path):
+    """final_dirs: the drafter with the highest last held-out tau, the AR draft with the lowest held-out
+    loss; an extension must be strictly better; unfinished runs are not candidates."""
+    from dflash.demo.build import final_dirs
+    from dflash.errors import DFlashError
+
+    def drafter_run(name, taus, finished=True):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "train_log.jsonl").write_text("".join(
+            json.dumps({"event": "eval", "step": i, "tau": t}) + "\n" for i, t in enumerate(taus)))
+        if finished:
+            (d / "model.safetensors").write_bytes(b"")
+
+    def ar_run(name, loss, finished=True):
+        (tmp_path / name / "final").mkdir(parents=True)
+        (tmp_path / name / "metrics.json").write_text(json.dumps({"heldout_loss": loss}))
+        if finished:
+            (tmp_path / name / "final" / "config.json").write_text("{}")
+
+    with pytest.raises(DFlashError, match="no finished drafter"):
+        final_dirs(tmp_path)
+    drafter_run("drafter", [2.0, 2.3])
+    drafter_run("drafter-extended", [2.9, 2.3])  # the last eval counts, and a tie keeps the first run
+    drafter_run("drafter-more", [3.5], finished=False)
+    ar_run("ar-draft", 5.0)
+    ar_run("ar-draft-extended", 5.3)
+    ar_run("ar-draft-more", 4.0, finished=False)
+    assert final_dirs(tmp_path) == (tmp_path / "drafter", tmp_path / "ar-draft" / "final")
+    (tmp_path / "drafter-more" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "ar-draft-more" / "final" / "config.json").write_text("{}")
+    assert final_dirs(tmp_path) == (tmp_path / "drafter-more", tmp_path / "ar-draft-more" / "final")

@@ -14,7 +14,7 @@ from dflash.cli import main as cli_main
 from dflash.drafter.checkpoint import load_drafter
 from dflash.drafter.config import DFlashConfig
 from dflash.drafter.model import DFlashDraftModel
-from dflash.loading import build_engine
+from dflash.loading import build_engine, load_target, resolve_dtype
 from dflash.params import SamplingParams
 from dflash.target import TargetModel
 from dflash.training.blocks import (
@@ -252,6 +252,36 @@ def test_regenerate_is_resumable(tmp_path):
         return sorted((json.loads(line)["id"], json.loads(line)["response_ids"]) for line in lines)
 
     assert by_id(resumed) == by_id(full)
+
+
+def test_cli_regenerate_writes_the_same_responses_and_extends_the_file(tmp_path, capsys):
+    """`dflash regenerate` is the library stage as a command: same lines, and new prompts appended later
+    are the only ones generated."""
+    target_dir = tmp_path / "target"
+    tiny_target().save_pretrained(target_dir)
+    tiny_tokenizer().save_pretrained(target_dir)
+    write_data(tmp_path / "p.jsonl", 5)
+    lib = tmp_path / "lib.jsonl"
+    cpu = torch.device("cpu")
+    model, tok = load_target(target_dir, cpu, resolve_dtype("auto", cpu))
+    regenerate(model, tok, tmp_path / "p.jsonl", lib, max_new_tokens=6, batch_size=2)
+    lines = (tmp_path / "p.jsonl").read_text().splitlines()
+    (tmp_path / "first3.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    out = tmp_path / "cli.jsonl"
+    args = ["regenerate", "--target", str(target_dir), "--out", str(out), "--max-new-tokens", "6",
+            "--batch-size", "2", "--device", "cpu"]
+    assert cli_main(args + ["--data", str(tmp_path / "first3.jsonl")]) == 0
+    assert len(out.read_text().splitlines()) == 3
+    assert cli_main(args + ["--data", str(tmp_path / "p.jsonl")]) == 0
+
+    def by_id(path):
+        return sorted((r["id"], r["response_ids"]) for r in map(json.loads, path.read_text().splitlines()))
+
+    assert by_id(out) == by_id(lib)
+    assert cli_main(args + ["--data", str(tmp_path / "p.jsonl"), "--batch-size", "0"]) == 2
+    assert "--batch-size must be a positive integer" in capsys.readouterr().err
+    assert cli_main(args + ["--data", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
 
 
 # -- the loop ---------------------------------------------------------------------------------------------

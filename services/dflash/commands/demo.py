@@ -16,8 +16,14 @@ def register(sub) -> None:
     )
     b.add_argument("--work", default="runs/demo", help="working directory for checkpoints and logs (default runs/demo)")
     b.add_argument("--stages", default="all",
-                   help="comma-separated subset of tokenizer,target,prompts,drafter,ar-draft,eval,install (default all)")
+                   help="comma-separated subset of the stages, in order: " + ",".join(_stages()) + " (default all)")
     p.set_defaults(handler=run)
+
+
+def _stages() -> list[str]:
+    from ..demo.build import STAGES
+
+    return STAGES
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,6 +12,16 @@ def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+# (run directory, the run it starts from, legend suffix) per panel, parents first
+RUNS = {
+    "target": (("target", None, ""),),
+    "drafter": (("drafter", None, ""), ("drafter-extended", "drafter", " (extension)"),
+                ("drafter-more", "drafter-extended", " (more data)")),
+    "ar": (("ar-draft", None, ""), ("ar-draft-extended", "ar-draft", " (extension)"),
+           ("ar-draft-more", "ar-draft", " (more data)")),
+}
+
+
 def plot_curves(work: Path, out: Path) -> Path:
     import matplotlib
 
@@ -19,34 +29,37 @@ def plot_curves(work: Path, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    # An extension run continues its stage's curve: its steps are drawn after the first run's last step.
-    for ax, name, title in ((axes[0], "target", "target LM"), (axes[2], "ar-draft", "autoregressive draft")):
-        offset = 0
-        for run, label in ((name, ""), (name + "-extended", " (extension)")):
+    # A run that starts from another run's weights continues that run's curve: its steps are drawn after
+    # its parent's last step.
+    ends: dict[str, int] = {}
+    for ax, runs, title in ((axes[0], RUNS["target"], "target LM"), (axes[2], RUNS["ar"], "autoregressive draft")):
+        for run, parent, label in runs:
             records = _read(work / run / "train_log.jsonl")
             log = [r for r in records if "loss" in r]
             if not log:
                 continue
+            offset = ends.get(parent, 0)
             ax.plot([offset + r["step"] for r in log], [r["loss"] for r in log], label="train loss" + label, lw=0.8)
             held = [r for r in records if "heldout_loss" in r]
             if held:
                 ax.plot([offset + r["step"] for r in held], [r["heldout_loss"] for r in held], "o-",
                         label="held-out loss" + label)
-            offset += log[-1]["step"]
+            ends[run] = offset + log[-1]["step"]
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.legend()
-    offset, tau_ax = 0, axes[1].twinx()
-    for run, label in (("drafter", ""), ("drafter-extended", " (extension)")):
+    tau_ax = axes[1].twinx()
+    for run, parent, label in RUNS["drafter"]:
         records = _read(work / run / "train_log.jsonl")
         log = [r for r in records if "loss" in r]
         if not log:
             continue
+        offset = ends.get(parent, 0)
         axes[1].plot([offset + r["step"] for r in log], [r["loss"] for r in log], lw=0.8, label="loss" + label)
         evals = [r for r in records if r.get("event") == "eval"]
         tau_ax.plot([offset + r["step"] for r in evals], [r["tau"] for r in evals], "s-", color="black",
                     label="held-out tau" + label)
-        offset += log[-1]["step"]
+        ends[run] = offset + log[-1]["step"]
     axes[1].set_title("DFlash drafter")
     axes[1].set_xlabel("step")
     tau_ax.set_ylabel("tau (T=0, block 16)")

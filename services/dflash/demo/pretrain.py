@@ -14,6 +14,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.demo import corpus
+from dflash.errors import CheckpointError, DFlashError
 from dflash.demo.tokenizer import ensure_tokenizer
 
 CHECKPOINT = "checkpoint.pt"
@@ -254,7 +256,7 @@ def _initial_weights(directory: str | Path, model_config: Qwen3Config) -> dict:
                 "num_key_value_heads", "head_dim", "intermediate_size", "tie_word_embeddings"):
         theirs, ours = getattr(start.config, key), getattr(model_config, key)
         if theirs != ours:
-            raise SystemExit(f"--init-from '{directory}' has {key}={theirs!r} but the flags build {key}={ours!r}")
+            raise CheckpointError(f"--init-from '{directory}' has {key}={theirs!r} but the flags build {key}={ours!r}")
     return start.state_dict()
 
 
@@ -443,8 +445,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """CLI entry point: build the tokenizer if missing, then train."""
-    args = parse_args(argv)
+    """CLI entry point: build the tokenizer if missing, then train; a bad flag or checkpoint exits 2."""
+    try:
+        _main(parse_args(argv))
+    except DFlashError as exc:
+        print(f"dflash.demo.pretrain: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _main(args: argparse.Namespace) -> None:
     ensure_tokenizer(args.tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     model_config = demo_model_config(
