@@ -101,6 +101,8 @@ def test_init_from_extends_a_finished_run(tok_dir, texts, tmp_path):
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     wider = demo_model_config(vocab_size=len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                               head_dim=16, intermediate_size=64, max_position_embeddings=128)
+    with pytest.raises(CheckpointError, match="no config.json"):
+        _train(tok_dir, tmp_path / "bad", texts, steps=2, init_from=tmp_path / "missing")
     with pytest.raises(CheckpointError, match="num_hidden_layers=1 but the flags build num_hidden_layers=2"):
         train_lm(wider, tok_dir, tmp_path / "bad", TrainConfig(steps=2, batch_size=4, seq_len=32),
                  texts=texts, heldout_texts=texts[:1], progress=False, init_from=first / "final")
@@ -122,9 +124,9 @@ def test_build_keeps_each_models_best_run_by_its_own_validation_measure(tmp_path
 
     def ar_run(name, loss, finished=True):
         (tmp_path / name / "final").mkdir(parents=True)
-        (tmp_path / name / "metrics.json").write_text(json.dumps({"heldout_loss": loss}))
-        if finished:
-            (tmp_path / name / "final" / "config.json").write_text("{}")
+        (tmp_path / name / "final" / "config.json").write_text("{}")
+        if finished:  # metrics.json is written last
+            (tmp_path / name / "metrics.json").write_text(json.dumps({"heldout_loss": loss}))
 
     with pytest.raises(DFlashError, match="no finished drafter"):
         final_dirs(tmp_path)
@@ -133,8 +135,8 @@ def test_build_keeps_each_models_best_run_by_its_own_validation_measure(tmp_path
     drafter_run("drafter-more", [3.5], finished=False)
     ar_run("ar-draft", 5.0)
     ar_run("ar-draft-extended", 5.3)
-    ar_run("ar-draft-more", 4.0, finished=False)
+    ar_run("ar-draft-more", None, finished=False)
     assert final_dirs(tmp_path) == (tmp_path / "drafter", tmp_path / "ar-draft" / "final")
     (tmp_path / "drafter-more" / "model.safetensors").write_bytes(b"")
-    (tmp_path / "ar-draft-more" / "final" / "config.json").write_text("{}")
+    (tmp_path / "ar-draft-more" / "metrics.json").write_text(json.dumps({"heldout_loss": 4.0}))
     assert final_dirs(tmp_path) == (tmp_path / "drafter-more", tmp_path / "ar-draft-more" / "final")

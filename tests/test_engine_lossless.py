@@ -3,8 +3,13 @@
 import pytest
 import torch
 
+from dflash.engine import SpeculativeEngine
 from dflash.params import SamplingParams
-from tiny import EOS_ID, char_tokenizer, engine_for, hf_greedy, oracle_engine, prompts, tiny_drafter, tiny_target
+from dflash.target import TargetModel
+from tiny import (
+    EOS_ID, TargetDistributionDrafter, char_tokenizer, engine_for, hf_greedy, oracle_engine, prompts, tiny_drafter,
+    tiny_target,
+)
 
 FAMILIES = ["qwen3", "llama"]
 BLOCK_SIZES = [2, 3, 4, 8, 16]
@@ -182,7 +187,9 @@ def test_confidence_cut_drafts_are_lossless(target, references, confidence):
         params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, draft_confidence=confidence)
         got = engine.run(list(prompt), params)
         assert got.token_ids == expected
-        assert got.stats.draft_tokens < 15 * got.stats.rounds  # an untrained drafter is never that sure
+        whole = engine.run(list(prompt), SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))
+        # an untrained drafter is never that sure: the cut verifies fewer tokens per round
+        assert got.stats.draft_tokens / got.stats.rounds < whole.stats.draft_tokens / whole.stats.rounds
         cut = oracle_engine(target, list(prompt), expected, error_rate=0.1).run(list(prompt), params)
         assert cut.token_ids == expected
     for i, prompt in enumerate(prompts(2, seed=7)):
@@ -191,3 +198,49 @@ def test_confidence_cut_drafts_are_lossless(target, references, confidence):
         sampled = SamplingParams(max_new_tokens=32, seed=i, ignore_eos=True, temperature=1.0,
                                  draft_confidence=confidence)
         assert engine.run(prompt, sampled).token_ids == expected
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (1.6, 20, 0.9)])
+def test_coupled_proposals_of_the_targets_distribution_are_always_accepted(target, temperature, top_k, top_p):
+    """A drafter whose distribution is the target's, picking with the round's DraftSampling (the
+    target's own Gumbel noise per position), proposes exactly what the target then samples: every
+    draft is accepted at any temperature. Picking its argmax instead, it is accepted only where the
+    target's sample happens to be its argmax. Either way the output is the target-only output."""
+    prompt = prompts(1, seed=5)[0]
+    params = SamplingParams(max_new_tokens=40, seed=3, ignore_eos=True, temperature=temperature, top_k=top_k,
+                            top_p=top_p)
+    expected = engine_for(target).run(prompt, params).token_ids
+    taus = {}
+    for argmax_only in (False, True):
+        drafter = TargetDistributionDrafter(target, prompt, expected, block_size=8, argmax_only=argmax_only)
+        got = SpeculativeEngine(TargetModel(target, (0,)), drafter).run(prompt, params)
+        assert got.token_ids == expected
+        taus[argmax_only] = got.stats.tau
+        if not argmax_only:  # 39 tokens after the prefill's first: 8 per round, the last round 7
+            assert got.stats.rounds == 5, got.stats.acceptance_histogram
+    assert taus[False] > taus[True] + 1.0, taus
+
+
+def test_a_smaller_block_verifies_the_first_proposals_of_the_trained_block(target, references):
+    """block_size 8 with a block-16 drafter: the drafter still fills its trained block of 16 (a block of
+    8, fewer mask slots to attend to, is a layout it never saw), and the round verifies its first 7."""
+    drafter_model = tiny_drafter(target, block_size=16)
+    engine = engine_for(target, drafter_model)
+    drafter, calls = engine.drafter, []
+    real_draft = drafter.draft
+
+    def spy(*args, **kwargs):
+        out = real_draft(*args, **kwargs)
+        calls.append((args[4], out))
+        return out
+
+    drafter.draft = spy
+    prompt, expected = next(iter(references.items()))
+    verified, tokens = [], []
+    for r in engine.generate(list(prompt), SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, block_size=8)):
+        verified.append(r.stats.draft_tokens)
+        tokens += r.token_ids
+    assert tokens == expected
+    rounds = len(verified) - 1  # the prefill drafts nothing
+    assert rounds > 0 and all(size == 16 for size, _ in calls[:rounds])
+    assert all(len(out) == 15 for _, out in calls[:rounds]) and max(verified[1:]) == 7

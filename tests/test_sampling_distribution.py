@@ -7,9 +7,11 @@ import torch
 from scipy.stats import chisquare
 
 import dflash.engine
+from dflash.drafter.protocol import DraftSampling
+from dflash.errors import DFlashError
 from dflash.params import SamplingParams
 from dflash.rounds import accept_length
-from dflash.sampling import filter_logits
+from dflash.sampling import filter_logits, propose_tokens, sample_tokens
 from tiny import hf_greedy, oracle_engine, tiny_target
 
 PROMPT = [5, 17, 3, 42, 8]
@@ -74,3 +76,29 @@ def test_the_test_catches_an_off_by_one_acceptance_rule(model_and_script, monkey
     model, script = model_and_script
     monkeypatch.setattr(dflash.engine, "accept_length", lambda d, p: min(accept_length(d, p) + 1, d.shape[0]))
     assert p_value(exact_joint(model), sample_counts(model, script)) < 1e-6
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (2.0, 9, 0.6)])
+def test_coupled_proposals_are_the_targets_samples_for_the_same_logits(temperature, top_k, top_p):
+    """propose_tokens with the request's DraftSampling picks, from the same logits, exactly the tokens
+    sample_tokens draws at every position (the coupling a drafter relies on); a greedy rule picks argmax."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(4)) * 3
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=21)
+    rule = DraftSampling.for_request(params, 21)
+    for first in (0, 17, 4000):
+        tokens, probs = propose_tokens(logits, rule, first, with_probs=True)
+        assert torch.equal(tokens, sample_tokens(logits, params, 21, first))
+        assert torch.allclose(probs, filter_logits(logits, params).exp().gather(-1, tokens[:, None])[:, 0])
+    shifted, _ = propose_tokens(logits, rule, 1)
+    assert not torch.equal(shifted, sample_tokens(logits, params, 21, 0))  # positions matter
+    greedy, top = propose_tokens(logits, DraftSampling(), 0, with_probs=True)
+    assert torch.equal(greedy, logits.argmax(-1)) and torch.allclose(top, logits.softmax(-1).max(-1).values)
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("temperature", float("nan")), ("top_k", -1),
+                                          ("top_p", 0.0), ("seed", -1), ("seed", 1 << 64), ("min_confidence", 1.0)])
+def test_draft_sampling_names_a_bad_field(field, value):
+    base = dict(temperature=1.0)
+    with pytest.raises(DFlashError, match=f"^{field}: "):
+        DraftSampling(**{**base, field: value})
+    assert DraftSampling(temperature=0.0, top_p=0.0).greedy  # top_p is not read when greedy

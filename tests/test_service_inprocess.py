@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from dflash.api.v1 import generate_pb2
+from dflash.drafter.protocol import DraftSampling
 from dflash.loading import build_engine
 from dflash.params import SamplingParams
 from dflash.service.async_stream import iterate_in_thread
@@ -101,9 +102,13 @@ def test_remote_drafts_equal_local_drafts_across_a_rebuild(service):
     for i, (a, b) in enumerate(pieces):
         if i == 2:  # the replica holding the session dies; another one rebuilds from the context log
             [s for s in servers if s.address == remote.last_replica("x")][0].stop()
-        confidence = 0.0 if i % 2 else 1e-6  # the cut travels to the replica and back
-        got = remote.draft("x", features[a:b], a, 5, 8, confidence)
-        assert torch.equal(got, local.draft("x", features[a:b], a, 5, 8, confidence))
+        # the cut and the sampling rule travel to the replica and back
+        rule = [DraftSampling(min_confidence=0.05), DraftSampling(),
+                DraftSampling(temperature=0.8, top_k=40, top_p=0.9, seed=(1 << 63) + 7),
+                DraftSampling(temperature=1.0, seed=3, min_confidence=0.05)][i]
+        got = remote.draft("x", features[a:b], a, 5, 8, rule)
+        assert torch.equal(got, local.draft("x", features[a:b], a, 5, 8, rule))
+        assert (len(got) < 7) == (rule.min_confidence > 0)  # an untrained drafter is never that sure
     assert remote.last_replica("x") in {s.address for s in servers}
 
 

@@ -10,7 +10,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 
 from dflash.drafter import DFlashConfig, DFlashDraftModel
 from dflash.drafter.local import LocalDrafter
+from dflash.drafter.protocol import GREEDY
 from dflash.engine import SpeculativeEngine
+from dflash.sampling import propose_tokens
 from dflash.target import TargetModel
 
 # 62 printable characters + end-of-text + mask = a 64-token vocabulary.
@@ -88,16 +90,48 @@ class OracleDrafter:
         self.rng = torch.Generator().manual_seed(seed)
         self.seen = 0
 
-    def draft(self, session_id, context, context_start, last_token, block_size, min_confidence=0.0):
-        """With min_confidence > 0 the draft is cut at a random length (>= 1), like a real drafter's cut."""
+    def draft(self, session_id, context, context_start, last_token, block_size, sampling=GREEDY):
+        """With sampling.min_confidence > 0 the draft is cut at a random length (>= 1), like a real drafter's cut."""
         assert context_start == self.seen, "context must continue where the previous call ended"
         self.seen = context_start + context.shape[0]
         first = self.seen + 1 - self.prompt_len  # script index of the first drafted position
         draft = (self.script[first : first + block_size - 1] + [0] * block_size)[: block_size - 1]
         bad = (torch.rand(len(draft), generator=self.rng) < self.error_rate).tolist()
-        if min_confidence > 0:
+        if sampling.min_confidence > 0:
             draft = draft[: int(torch.randint(1, len(draft) + 1, (1,), generator=self.rng))]
         return torch.tensor([(t + 1) % (VOCAB - 2) if b else t for t, b in zip(draft, bad)], dtype=torch.long)
+
+    def release(self, session_id):
+        pass
+
+
+class TargetDistributionDrafter:
+    """A test double whose distribution IS the target's: each proposal comes from the target's own
+    logits for the committed tokens (known from `script`, the same request's target-only output) and
+    its earlier proposals, picked with `propose_tokens` under the round's DraftSampling (or always its
+    argmax with `argmax_only`). So a coupled pick must always be accepted, whatever the temperature.
+    """
+
+    def __init__(self, model, prompt_ids: list[int], script: list[int], block_size: int = 8, argmax_only: bool = False):
+        self.model = model
+        self.tokens = list(prompt_ids) + list(script)
+        self.block_size = block_size
+        self.mask_token_id = MASK_ID
+        self.target_layer_ids = (0,)
+        self.argmax_only = argmax_only
+
+    @torch.no_grad()
+    def draft(self, session_id, context, context_start, last_token, block_size, sampling=GREEDY):
+        position = context_start + context.shape[0]  # where last_token sits
+        ids = self.tokens[: position + 1]
+        assert ids[-1] == last_token, "the committed tokens must be the target-only output's prefix"
+        proposals = []
+        for j in range(block_size - 1):
+            logits = self.model(torch.tensor([ids])).logits[0, -1:].float()
+            token, _ = propose_tokens(logits, GREEDY if self.argmax_only else sampling, position + 1 + j)
+            proposals.append(int(token))
+            ids.append(int(token))
+        return torch.tensor(proposals, dtype=torch.long)
 
     def release(self, session_id):
         pass

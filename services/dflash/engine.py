@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .drafter.protocol import Drafter
+from .drafter.protocol import Drafter, DraftSampling
 from .errors import DFlashError, InvalidRequestError
 from .generation import Generation, RoundOutput
 from .params import SamplingParams
@@ -101,7 +101,8 @@ class SpeculativeEngine:
         return self._emit(gen, new_tokens, stats)
 
     def propose(self, gen: Generation, size: int) -> torch.Tensor:
-        """Draft tokens [size - 1] on the CPU; empty when drafting is off for this round.
+        """Draft tokens [at most size - 1] on the CPU (the confidence cut may keep fewer); empty when
+        drafting is off for this round.
 
         The drafter always fills the block it was trained on (as far as the context window allows)
         and the round keeps the first size - 1 proposals: a smaller block size shortens what the
@@ -114,7 +115,7 @@ class SpeculativeEngine:
         drafted = max(size, min(self.drafter.block_size, room))
         context = gen.pending_features
         draft = self.drafter.draft(gen.request_id, context, gen.drafter_start, gen.last_token, drafted,
-                                   gen.params.draft_confidence)
+                                   DraftSampling.for_request(gen.params, gen.seed))
         gen.drafter_start += context.shape[0]
         gen.pending_features = None
         return draft[: size - 1].to("cpu", torch.long)

@@ -9,9 +9,14 @@ is an exact sample of the target's (temperature/top-k/top-p filtered) distributi
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .params import SamplingParams
+
+if TYPE_CHECKING:
+    from .drafter.protocol import DraftSampling
 
 _MASK64 = (1 << 64) - 1
 
@@ -25,7 +30,7 @@ def position_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, params: SamplingParams | DraftSampling) -> torch.Tensor:
     """Return log-probabilities after temperature, top-k and top-p; filtered-out entries are -inf.
 
     logits: [N, V] float. Output: [N, V] float32. Only meaningful when temperature > 0.
@@ -62,8 +67,30 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, seed: int, first
     """
     if params.greedy:
         return logits.argmax(dim=-1)
-    logprobs = filter_logits(logits, params)
-    vocab = logprobs.shape[-1]
-    device = logprobs.device
+    return _gumbel_argmax(filter_logits(logits, params), seed, first_position)
+
+
+def propose_tokens(
+    logits: torch.Tensor, rule: DraftSampling, first_position: int, with_probs: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The drafter's side of `sample_tokens`: proposals for rows of the drafter's logits [N, V], row i
+    for absolute position first_position + i, picked as `rule` says (see DraftSampling).
+
+    Given the target's own logits, this returns exactly the tokens `sample_tokens` draws. Returns
+    (tokens [N], with_probs: the drafter's probability of each token under its filtered distribution).
+    """
+    if rule.greedy:
+        if not with_probs:
+            return logits.argmax(dim=-1), None
+        probs, tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        return tokens, probs
+    logprobs = filter_logits(logits, rule)
+    tokens = _gumbel_argmax(logprobs, rule.seed, first_position)
+    probs = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).exp() if with_probs else None
+    return tokens, probs
+
+
+def _gumbel_argmax(logprobs: torch.Tensor, seed: int, first_position: int) -> torch.Tensor:
+    vocab, device = logprobs.shape[-1], logprobs.device
     noise = torch.stack([gumbel_noise(seed, first_position + i, vocab, device) for i in range(logprobs.shape[0])])
     return (logprobs + noise).argmax(dim=-1)

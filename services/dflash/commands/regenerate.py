@@ -41,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
             raise DFlashError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     if args.temperature < 0:
         raise DFlashError(f"--temperature must be >= 0, got {args.temperature}")
+    from pathlib import Path
+
+    if not Path(args.data).is_file():
+        raise DFlashError(f"data file '{args.data}' does not exist")
     import torch
 
     from ..loading import load_target, resolve_device, resolve_dtype

@@ -25,8 +25,8 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.demo import corpus
-from dflash.errors import CheckpointError, DFlashError
 from dflash.demo.tokenizer import ensure_tokenizer
+from dflash.errors import CheckpointError, DFlashError
 
 CHECKPOINT = "checkpoint.pt"
 TRAIN_LOG = "train_log.jsonl"
@@ -251,6 +251,8 @@ def _load_data(tokenizer, data, out_dir: Path, max_files, texts, heldout_texts):
 
 
 def _initial_weights(directory: str | Path, model_config: Qwen3Config) -> dict:
+    if not (Path(directory) / "config.json").is_file():
+        raise CheckpointError(f"--init-from '{directory}' is not a model directory (no config.json)")
     start = Qwen3ForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "intermediate_size", "tie_word_embeddings"):

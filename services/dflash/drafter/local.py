@@ -7,7 +7,9 @@ from torch import nn
 
 from ..errors import DFlashError
 from ..rounds import confident_length, make_block
+from ..sampling import propose_tokens
 from .model import DFlashDraftModel, DraftCache
+from .protocol import GREEDY, DraftSampling
 
 
 class LocalDrafter:
@@ -38,7 +40,7 @@ class LocalDrafter:
     @torch.inference_mode()
     def draft(
         self, session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int,
-        min_confidence: float = 0.0,
+        sampling: DraftSampling = GREEDY,
     ) -> torch.Tensor:
         cache = self._caches.get(session_id)
         if cache is None:
@@ -61,10 +63,9 @@ class LocalDrafter:
             cache=cache,
         )
         logits = self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))
-        if min_confidence <= 0.0:
-            return logits.argmax(dim=-1)
-        top, tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-        return tokens[: confident_length(top, min_confidence)]
+        cut = sampling.min_confidence > 0.0
+        tokens, probs = propose_tokens(logits.float(), sampling, start + 1, with_probs=cut)
+        return tokens[: confident_length(probs, sampling.min_confidence)] if cut else tokens
 
     def release(self, session_id: str) -> None:
         self._caches.pop(session_id, None)

@@ -2,9 +2,60 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from ..errors import DFlashError
+
+
+@dataclass(frozen=True)
+class DraftSampling:
+    """How a drafter turns its logits into proposals; only the speed of decoding depends on it.
+
+    temperature 0: the drafter's argmax. Otherwise the request's own temperature, top-k and top-p
+    applied to the drafter's logits, plus the very Gumbel noise the target samples each position with
+    (`sampling.py`, from `seed` and the position): a coupled sample. Where the drafter's distribution
+    is close to the target's, it then proposes the token the target is about to draw, so a round is
+    accepted with the chance that two close distributions' samples agree, rather than the target's
+    probability of the drafter's argmax (small wherever the target is unsure, as at temperature 1).
+    min_confidence: see `SamplingParams.draft_confidence`; it reads the drafter's probability of each
+    token it proposes.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    min_confidence: float = 0.0
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
+            ("top_k", self.top_k >= 0, ">= 0"),
+            ("top_p", self.greedy or 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("seed", 0 <= self.seed < 1 << 64, "in [0, 2**64)"),
+            ("min_confidence", 0.0 <= self.min_confidence < 1.0, "in [0, 1)"),
+        )
+        for name, ok, allowed in checks:
+            if not ok:
+                raise DFlashError(f"{name}: {getattr(self, name)} is not {allowed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def for_request(cls, params, seed: int) -> DraftSampling:
+        """The rule for a request's SamplingParams and its sampling seed."""
+        if params.greedy:
+            return cls(min_confidence=params.draft_confidence)
+        return cls(params.temperature, params.top_k, params.top_p, seed, params.draft_confidence)
+
+
+GREEDY = DraftSampling()
 
 
 class Drafter(Protocol):
@@ -27,15 +78,17 @@ class Drafter(Protocol):
         context_start: int,
         last_token: int,
         block_size: int,
-        min_confidence: float = 0.0,
+        sampling: DraftSampling = GREEDY,
     ) -> torch.Tensor:
         """Draft the tokens after `last_token`.
 
         context: [n, num_features * hidden] target features of positions context_start .. context_start+n-1,
             the positions committed since the previous call (all prompt positions on the first call).
         last_token: the last committed token, at position context_start + n (not yet seen by the target).
+        sampling: how to pick each proposal (argmax, or coupled with the target's own sampling).
         Returns a LongTensor [block_size - 1]: proposals for positions context_start + n + 1 onwards;
-            with min_confidence > 0 only the leading ones `rounds.confident_length` keeps (at least one).
+            with sampling.min_confidence > 0 only the leading ones `rounds.confident_length` keeps
+            (at least one).
         Raises KeyError-free `DFlashError`s only; an unknown session with context_start > 0 is an error
         the caller answers by replaying context from position 0.
         """

@@ -1,6 +1,7 @@
 """The wire format of tensors: `{dtype, shape, data}` with raw little-endian bytes, sliced into chunks.
 
-The only module that turns tensors into bytes and back, for gRPC messages and the Redis context log.
+The only module that turns tensors into bytes and back, for gRPC messages and the Redis context log,
+and Draft calls into messages and back.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from ..api.internal.v1 import drafter_pb2
+from ..drafter.protocol import GREEDY, DraftSampling
 from ..errors import DFlashError
 
 DTYPES = {
@@ -55,17 +57,25 @@ def from_proto(message: drafter_pb2.Tensor) -> torch.Tensor:
 
 def draft_request_chunks(
     session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int, chunk_bytes: int,
-    min_confidence: float = 0.0,
+    sampling: DraftSampling = GREEDY,
 ) -> Iterator[drafter_pb2.DraftRequestChunk]:
     """The Draft call's client stream: header + dtype/shape first, the context's bytes in slices."""
     data = tensor_bytes(context)
     head = drafter_pb2.DraftRequestChunk(
         session_id=session_id, context_start=context_start, last_token=last_token, block_size=block_size,
-        min_confidence=min_confidence, context=drafter_pb2.Tensor(dtype=NAMES[context.dtype], shape=list(context.shape), data=data[:chunk_bytes]),
+        min_confidence=sampling.min_confidence, temperature=sampling.temperature, top_k=sampling.top_k,
+        top_p=sampling.top_p, seed=sampling.seed,
+        context=drafter_pb2.Tensor(dtype=NAMES[context.dtype], shape=list(context.shape), data=data[:chunk_bytes]),
     )
     yield head
     for offset in range(chunk_bytes, len(data), chunk_bytes):
         yield drafter_pb2.DraftRequestChunk(context=drafter_pb2.Tensor(data=data[offset : offset + chunk_bytes]))
+
+
+def draft_sampling(head: drafter_pb2.DraftRequestChunk) -> DraftSampling:
+    """The header's proposal rule; a value out of range raises DFlashError naming the field."""
+    return DraftSampling(temperature=head.temperature, top_k=head.top_k, top_p=head.top_p, seed=head.seed,
+                         min_confidence=head.min_confidence)
 
 
 def join_draft_request(chunks: Iterable[drafter_pb2.DraftRequestChunk]) -> tuple[drafter_pb2.DraftRequestChunk, torch.Tensor]:

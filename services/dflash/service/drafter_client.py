@@ -19,6 +19,7 @@ import torch
 from opentelemetry import trace
 
 from ..api.internal.v1 import drafter_pb2, drafter_pb2_grpc
+from ..drafter.protocol import GREEDY, DraftSampling
 from ..errors import DFlashError
 from . import codec, tracing
 from .config import DrafterNetConfig
@@ -48,14 +49,13 @@ class RemoteDrafter:
         self._lock = threading.Lock()
 
     def draft(self, session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int,
-              min_confidence: float = 0.0) -> torch.Tensor:
+              sampling: DraftSampling = GREEDY) -> torch.Tensor:
         """Draft ids (see `Drafter.draft`), or an empty tensor when no replica answered (a target-only round)."""
         self._log_context(session_id, context, context_start)
         span = trace.get_current_span()
         for address in self._candidates(session_id):
             try:
-                reply = self._call(address, session_id, context, context_start, last_token, block_size,
-                                   min_confidence)
+                reply = self._call(address, session_id, context, context_start, last_token, block_size, sampling)
             except grpc.RpcError as exc:
                 self._mark_failed(address)
                 span.add_event("drafter failed", {"dflash.drafter.replica": address, "grpc.code": str(exc.code())})
@@ -85,9 +85,9 @@ class RemoteDrafter:
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _call(self, address, session_id, context, context_start, last_token, block_size, min_confidence):
+    def _call(self, address, session_id, context, context_start, last_token, block_size, sampling):
         chunks = codec.draft_request_chunks(
-            session_id, context, context_start, last_token, block_size, self.net.chunk_bytes, min_confidence
+            session_id, context, context_start, last_token, block_size, self.net.chunk_bytes, sampling
         )
         return self._stub(address).Draft(chunks, timeout=self.net.timeout_s, metadata=tracing.outgoing_metadata())
 

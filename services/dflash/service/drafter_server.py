@@ -19,9 +19,11 @@ from opentelemetry import trace
 
 from ..api.internal.v1 import drafter_pb2, drafter_pb2_grpc
 from ..drafter.local import LocalDrafter
+from ..drafter.protocol import GREEDY, DraftSampling
 from ..errors import DFlashError
 from . import codec, tracing
 from .autoscaling import HOT_SESSIONS, INFLIGHT_DRAFTS
+from .config import DrafterNetConfig
 from .session_store import SessionStore
 
 
@@ -36,12 +38,10 @@ class DraftSessions:
         self._lock = threading.Lock()  # one forward at a time: the model is shared
 
     def draft(self, session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int,
-              min_confidence: float = 0.0):
+              sampling: DraftSampling = GREEDY):
         """Returns (draft ids, see `Drafter.draft`, rebuilt)."""
         if not 1 < block_size <= self.drafter.block_size:
             raise DFlashError(f"block_size: {block_size} outside [2, {self.drafter.block_size}]")
-        if not 0.0 <= min_confidence < 1.0:
-            raise DFlashError(f"min_confidence: {min_confidence} outside [0, 1)")
         with self._lock:
             rebuilt = False
             if context_start == 0:
@@ -50,7 +50,7 @@ class DraftSessions:
                 context, context_start = self._rebuild(session_id, context, context_start)
                 rebuilt = True
             self._touch(session_id)
-            draft = self.drafter.draft(session_id, context, context_start, last_token, block_size, min_confidence)
+            draft = self.drafter.draft(session_id, context, context_start, last_token, block_size, sampling)
             return draft, rebuilt
 
     def _rebuild(self, session_id: str, context: torch.Tensor, context_start: int):
@@ -121,7 +121,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             try:
                 draft, rebuilt = self.sessions.draft(
                     head.session_id, features, head.context_start, head.last_token, head.block_size,
-                    head.min_confidence,
+                    codec.draft_sampling(head),
                 )
             except DFlashError as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -147,7 +147,7 @@ class DrafterServer:
     """Serves a DraftSessions on host:port and advertises the address in the store while alive."""
 
     def __init__(self, sessions: DraftSessions, store: SessionStore, host: str = "127.0.0.1", port: int = 0,
-                 advertise_every_s: float = 1.0, workers: int = 4):
+                 advertise_every_s: float = 1.0, workers: int = DrafterNetConfig.workers):
         self.store = store
         self.sessions = sessions
         self.server = grpc.server(

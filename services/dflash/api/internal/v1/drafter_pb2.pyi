@@ -18,20 +18,28 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class DraftRequestChunk(_message.Message):
-    __slots__ = ("session_id", "context_start", "last_token", "block_size", "context", "min_confidence")
+    __slots__ = ("session_id", "context_start", "last_token", "block_size", "context", "min_confidence", "temperature", "top_k", "top_p", "seed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_START_FIELD_NUMBER: _ClassVar[int]
     LAST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     context_start: int
     last_token: int
     block_size: int
     context: Tensor
     min_confidence: float
-    def __init__(self, session_id: _Optional[str] = ..., context_start: _Optional[int] = ..., last_token: _Optional[int] = ..., block_size: _Optional[int] = ..., context: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[float] = ...) -> None: ...
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, session_id: _Optional[str] = ..., context_start: _Optional[int] = ..., last_token: _Optional[int] = ..., block_size: _Optional[int] = ..., context: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[float] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class DraftReply(_message.Message):
     __slots__ = ("draft_token_ids", "replica", "rebuilt", "draft_ms")
