@@ -215,11 +215,12 @@ class ServiceMethod:
 
 def build_methods(keys, engine: SpeculativeEngine, baseline: SpeculativeEngine, ar_model, service: str | None,
                   assist_tokens: int | None = None, lookup_tokens: int = 10,
-                  service_token: str = "", draft_confidence: float = 0.05) -> tuple[list, dict[str, str]]:
+                  service_token: str = "", draft_confidence: float = 0.0) -> tuple[list, dict[str, str]]:
     """The methods named by `keys` (see commands/bench.py), and {name: reason} for those that cannot run.
 
     `baseline` is the target-only engine (block 1); `ar_model` the assisted-generation draft model or a
-    string saying why there is none; `service` a host:port or None (`service_token`: its bearer token).
+    string saying why there is none; `service` a host:port or None (`service_token`: its bearer token);
+    `draft_confidence` the dflash16c method's threshold, in (0, 1).
     """
     from ..errors import DFlashError
 

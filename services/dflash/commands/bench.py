@@ -19,6 +19,7 @@ from .generate import add_model_args, model_dirs
 
 METHODS = ("target", "hf", "assisted", "lookup", "dflash16", "dflash16c", "dflash8", "service")
 REFERENCE = "target only (engine, block 1)"
+DEFAULT_DRAFT_CONFIDENCE = 0.05
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,8 @@ def register(sub) -> None:
     p.add_argument("--assist-tokens", type=int,
                    help="draft tokens per assisted round (default: transformers' own schedule)")
     p.add_argument("--lookup-tokens", type=int, default=10, help="prompt-lookup tokens per round (default 10)")
-    p.add_argument("--draft-confidence", type=float, default=0.05,
-                   help="the dflash16c method's draft confidence threshold (default 0.05)")
+    p.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE,
+                   help=f"the dflash16c method's draft confidence threshold (default {DEFAULT_DRAFT_CONFIDENCE:g})")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default bench-results)")
     p.add_argument("--quick", action="store_true", help="a few prompts and tokens: a few minutes on a laptop CPU")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -75,8 +76,8 @@ def resolve(args: argparse.Namespace) -> BenchArgs:
         raise DFlashError(f"--temperatures: expected numbers like 0,1, got {args.temperatures!r}") from None
     if any(t < 0 for t in temperatures):
         raise DFlashError(f"--temperatures must be >= 0, got {args.temperatures!r}")
-    if not 0.0 <= args.draft_confidence < 1.0:
-        raise DFlashError(f"--draft-confidence must be in [0, 1), got {args.draft_confidence}")
+    if not 0.0 < args.draft_confidence < 1.0:  # 0 would make dflash16c the dflash16 method again
+        raise DFlashError(f"--draft-confidence must be in (0, 1), got {args.draft_confidence}")
     for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
                         ("--load", args.load), ("--duration", args.duration)):
         if value is not None and value <= 0:
@@ -131,7 +132,7 @@ def run_compare(args: argparse.Namespace, settings: BenchArgs) -> int:
     prompts = [engine.encode(p) for p in read_prompts(args, settings.num_prompts)]
     if args.profile:
         print(profile_text(engine, baseline, prompts[0], settings, None))
-        if args.draft_confidence > 0:
+        if "dflash16c" in settings.methods:
             print("\n" + profile_text(engine, baseline, prompts[0], settings, None, args.draft_confidence))
         return 0
     methods, unavailable = build_methods(settings.methods, engine, baseline, ar_model, args.service,
