@@ -307,14 +307,22 @@ def resume_until_served(client, session, received, timeout_s=180):
             time.sleep(1.0)
 
 
-def kill_verifier_replica() -> None:
-    """ray.kill the verifier's replica actor (Serve starts a new one)."""
-    names = ray.util.list_named_actors(all_namespaces=True)
-    for actor in names:
-        if "verifier" in actor["name"]:
-            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
-            return
-    raise AssertionError(f"no verifier replica among {names}")
+def kill_verifier_replica(wait_s: float = 30.0) -> None:
+    """ray.kill the verifier's replica actor (Serve starts a new one).
+
+    Waits for one to be listed: once, in a full-suite run on 2 busy cores, the named-actor list had no
+    verifier mid-stream (the test passed alone); Serve replacing a replica that missed a health check
+    would look like that, and the list omits a replica until it is up."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        names = ray.util.list_named_actors(all_namespaces=True)
+        for actor in names:
+            if "verifier" in actor["name"]:
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+                return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no verifier replica among {names}")
+        time.sleep(0.5)
 
 
 def kill_process_listening_on(address: str) -> None:
