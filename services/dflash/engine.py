@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .drafter.protocol import Drafter, DraftSampling
+from .drafter.protocol import Drafter
 from .errors import DFlashError, InvalidRequestError
 from .generation import Generation, RoundOutput
 from .params import SamplingParams
@@ -115,7 +115,7 @@ class SpeculativeEngine:
         drafted = max(size, min(self.drafter.block_size, room))
         context = gen.pending_features
         draft = self.drafter.draft(gen.request_id, context, gen.drafter_start, gen.last_token, drafted,
-                                   DraftSampling.for_request(gen.params, gen.seed))
+                                   gen.draft_sampling)
         gen.drafter_start += context.shape[0]
         gen.pending_features = None
         return draft[: size - 1].to("cpu", torch.long)

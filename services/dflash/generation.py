@@ -5,9 +5,11 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
+from .drafter.protocol import DraftSampling
 from .params import SamplingParams
 from .stats import GenerationStats, RoundStats
 from .textstream import TextStream
@@ -54,6 +56,11 @@ class Generation:
     first_token_at: float | None = None
     finish_reason: str | None = None
     num_rounds: int = 0
+
+    @cached_property
+    def draft_sampling(self) -> DraftSampling:
+        """How the drafter picks proposals for this request (read once: params and seed are fixed)."""
+        return DraftSampling.for_request(self.params, self.seed)
 
     @property
     def position(self) -> int:

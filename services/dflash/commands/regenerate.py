@@ -7,6 +7,7 @@ so that a longer or differently configured run (or the autoregressive baseline) 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..errors import DFlashError
 
@@ -41,8 +42,6 @@ def run(args: argparse.Namespace) -> int:
             raise DFlashError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     if args.temperature < 0:
         raise DFlashError(f"--temperature must be >= 0, got {args.temperature}")
-    from pathlib import Path
-
     if not Path(args.data).is_file():
         raise DFlashError(f"data file '{args.data}' does not exist")
     import torch

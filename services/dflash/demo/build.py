@@ -73,46 +73,44 @@ def stage_commands(work: Path) -> dict[str, list[str]]:
             "--checkpoint-every", "50", "--eval-every", "200", "--eval-windows", "32", "--threads", "1",
         ],
         # About 95 minutes each on one core of the 2-core build machine, run at the same time.
-        "drafter-extend": PY + [
-            "dflash.cli", "train", "--target", str(work / "target" / "final"),
-            "--data", str(work / "drafter" / "regenerated.jsonl"), "--out", str(work / "drafter-extended"),
-            "--init-drafter", str(work / "drafter"), "--max-length", "384", "--block-size", "16",
-            "--num-layers", "2", "--num-features", "3", "--epochs", "3", "--steps", "2500", "--lr", "1e-3",
-            "--batch-size", "8", "--max-anchors", "48", "--distill-weight", "0.5", "--save-every", "50",
-            "--eval-prompts", str(work / "heldout.jsonl"), "--eval-max-new-tokens", "96", "--seed", "1",
-            "--threads", "1", "--device", "cpu",
-        ],
-        "ar-extend": PY + [
-            "dflash.demo.pretrain", "--out", str(work / "ar-draft-extended"), "--tokenizer", str(work / "tokenizer"),
-            "--data", str(work / "ar-data.jsonl"), "--layers", "2", "--steps", "4300", "--batch-size", "16",
-            "--seq-len", "256", "--lr", "1.3e-3", "--min-lr-ratio", "0.1", "--warmup", "40", "--seed", "1",
-            "--checkpoint-every", "50", "--eval-every", "200", "--eval-windows", "32", "--threads", "1",
-            "--init-from", str(work / "ar-draft" / "final"),
-        ],
+        "drafter-extend": _drafter_from(work, "drafter", work / "drafter" / "regenerated.jsonl", "drafter-extended",
+                                        epochs=3, steps=2500, seed=1),
+        "ar-extend": _ar_draft_from(work, "ar-data.jsonl", "ar-draft-extended", steps=4300, seed=1),
         "data-more": PY + [
             "dflash.cli", "regenerate", "--target", str(work / "target" / "final"),
             "--data", str(work / "prompts-all.jsonl"), "--out", str(work / "regenerated-all.jsonl"),
             "--max-new-tokens", "256", "--max-prompt-tokens", "368", "--batch-size", "32", "--device", "cpu",
             "--threads", "2",
         ],
-        # About 110 minutes each on one core of the 2-core build machine, run at the same time.
-        "drafter-more": PY + [
-            "dflash.cli", "train", "--target", str(work / "target" / "final"),
-            "--data", str(work / "regenerated-all.jsonl"), "--out", str(work / "drafter-more"),
-            "--init-drafter", str(work / "drafter-extended"), "--max-length", "384", "--block-size", "16",
-            "--num-layers", "2", "--num-features", "3", "--epochs", "2", "--steps", "2600", "--lr", "1e-3",
-            "--batch-size", "8", "--max-anchors", "48", "--gamma", "4", "--distill-weight", "0.5",
-            "--save-every", "50", "--eval-prompts", str(work / "heldout.jsonl"), "--eval-max-new-tokens", "96",
-            "--seed", "2", "--threads", "1", "--device", "cpu",
-        ],
-        "ar-more": PY + [
-            "dflash.demo.pretrain", "--out", str(work / "ar-draft-more"), "--tokenizer", str(work / "tokenizer"),
-            "--data", str(work / "ar-data-all.jsonl"), "--layers", "2", "--steps", "4400", "--batch-size", "16",
-            "--seq-len", "256", "--lr", "1.3e-3", "--min-lr-ratio", "0.1", "--warmup", "40", "--seed", "2",
-            "--checkpoint-every", "50", "--eval-every", "200", "--eval-windows", "32", "--threads", "1",
-            "--init-from", str(work / "ar-draft" / "final"),
-        ],
+        # About 100 minutes each on one core of the 2-core build machine, run at the same time.
+        "drafter-more": _drafter_from(work, "drafter-extended", work / "regenerated-all.jsonl", "drafter-more",
+                                      epochs=2, steps=2600, seed=2, extra=("--gamma", "4")),
+        "ar-more": _ar_draft_from(work, "ar-data-all.jsonl", "ar-draft-more", steps=4400, seed=2),
     }
+
+
+def _drafter_from(work: Path, init: str, data: Path, out: str, *, epochs: int, steps: int, seed: int,
+                  extra: tuple[str, ...] = ()) -> list[str]:
+    """`dflash train` continuing drafter run `init` (its shape, a new schedule) with distillation 0.5."""
+    return PY + [
+        "dflash.cli", "train", "--target", str(work / "target" / "final"), "--data", str(data),
+        "--out", str(work / out), "--init-drafter", str(work / init), "--max-length", "384", "--block-size", "16",
+        "--num-layers", "2", "--num-features", "3", "--epochs", str(epochs), "--steps", str(steps), "--lr", "1e-3",
+        "--batch-size", "8", "--max-anchors", "48", *extra, "--distill-weight", "0.5", "--save-every", "50",
+        "--eval-prompts", str(work / "heldout.jsonl"), "--eval-max-new-tokens", "96", "--seed", str(seed),
+        "--threads", "1", "--device", "cpu",
+    ]
+
+
+def _ar_draft_from(work: Path, data: str, out: str, *, steps: int, seed: int) -> list[str]:
+    """The AR draft trained further from the first ar-draft run's final weights, with a new schedule."""
+    return PY + [
+        "dflash.demo.pretrain", "--out", str(work / out), "--tokenizer", str(work / "tokenizer"),
+        "--data", str(work / data), "--layers", "2", "--steps", str(steps), "--batch-size", "16",
+        "--seq-len", "256", "--lr", "1.3e-3", "--min-lr-ratio", "0.1", "--warmup", "40", "--seed", str(seed),
+        "--checkpoint-every", "50", "--eval-every", "200", "--eval-windows", "32", "--threads", "1",
+        "--init-from", str(work / "ar-draft" / "final"),
+    ]
 
 
 DRAFTER_RUNS = ("drafter", "drafter-extended", "drafter-more")
