@@ -63,6 +63,23 @@ def test_corpus_splits_are_disjoint():
     assert corpus.heldout_prompts(4, 200, seed=1) == corpus.heldout_prompts(4, 200, seed=1)
 
 
+def test_unseen_split_is_stdlib_code_the_target_never_trained_on():
+    """Drafter-only data: the stdlib's test/tool folders; never a training file, a held-out module,
+    third-party code or a build folder."""
+    root = corpus.stdlib_root()
+    unseen = corpus.list_files("unseen")
+    assert unseen, "this Python ships no test suite or tools"
+    rels = [p.relative_to(root) for p in unseen]
+    assert set(unseen).isdisjoint(corpus.list_files("train"))
+    assert set(unseen).isdisjoint(corpus.list_files("heldout"))
+    for rel in rels:
+        assert not {"site-packages", "dist-packages"} & set(rel.parts)
+        assert not any(part.startswith("config-") for part in rel.parts)
+        assert {"test", "tests", "idlelib", "lib2to3", "idle_test", "turtledemo"} & set(rel.parts[:-1])
+    prompts = corpus.unseen_prompts(5, 200, seed=1)
+    assert len(set(prompts)) == 5 and prompts == corpus.unseen_prompts(5, 200, seed=1)
+
+
 def test_tokenizer_round_trip_and_mask(tok_dir):
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     ids = tok.encode(SAMPLE, add_special_tokens=False)

@@ -15,10 +15,12 @@ from dflash.drafter.checkpoint import load_drafter
 from dflash.drafter.config import DFlashConfig
 from dflash.drafter.model import DFlashDraftModel
 from dflash.loading import build_engine, load_target, resolve_dtype
+from dflash.errors import DFlashError
 from dflash.params import SamplingParams
 from dflash.target import TargetModel
 from dflash.training.blocks import (
-    IGNORE, block_accuracy, default_gamma, loss_weights, make_blocks, sample_anchors,
+    IGNORE, block_accuracy, block_attention_mask, block_sparse_mask, default_gamma, loss_weights, make_blocks,
+    sample_anchors,
 )
 from dflash.training.config import TrainConfig, TrainConfigError
 from dflash.training.data import load_samples, read_records, tokenize
@@ -193,6 +195,43 @@ def test_mask_isolates_blocks_in_the_model():
     n3 = noise.clone()
     n3[:, 2] += 1.0  # the last slot of block 0 changes its first slot too: bidirectional inside a block
     assert not torch.allclose(run(feats, n3)[:, 0], base[:, 0])
+
+
+def test_sparse_block_mask_is_the_dense_mask():
+    """The flex-attention BlockMask (the CUDA default) marks exactly the dense mask's entries, padded
+    anchors included."""
+    anchors = torch.tensor([[1, 4, 9], [0, 2, 0]])
+    sparse = block_sparse_mask(anchors, 12, 4)
+    dense = block_attention_mask(anchors, 12, 4)
+    b, q, kv = torch.meshgrid(torch.arange(2), torch.arange(12), torch.arange(12 + 12), indexing="ij")
+    assert torch.equal(sparse.mask_mod(b, torch.zeros_like(b), q, kv), dense[:, 0])
+    assert sparse.shape[-2:] == dense.shape[-2:]
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+def test_sparse_attention_loss_equals_dense(tmp_path):
+    """A training forward with the BlockMask (flex attention: eager here, the dense computation the
+    compiled CUDA kernel must match) gives the dense forward's loss and accuracy counts. Forward only:
+    PyTorch has no flex-attention backward on CPU, so the sparse step itself runs on CUDA only."""
+    trainer = make_trainer(tmp_path, tiny_target(), tiny_tokenizer(), distill_weight=0.5)
+    assert not trainer.sparse_mask  # auto: dense on CPU
+    batch = trainer.batch([0, 1, 2])
+    parts = {}
+    for sparse in (False, True):
+        trainer.sparse_mask = sparse
+        trainer.anchor_generator.manual_seed(7)
+        with torch.no_grad():
+            parts[sparse] = trainer.forward_loss(batch)
+    assert float(parts[True].loss) == pytest.approx(float(parts[False].loss), rel=1e-5)
+    assert torch.equal(parts[True].slot_correct, parts[False].slot_correct)
+
+
+def test_attention_setting_is_validated(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"text": "w1"}\n')
+    with pytest.raises(TrainConfigError, match="--attention"):
+        TrainConfig(target=".", data=str(tmp_path / "d.jsonl"), out_dir=str(tmp_path), attention="flash")
+    with pytest.raises(DFlashError, match="--attention sparse needs a CUDA device"):
+        make_trainer(tmp_path, tiny_target(), tiny_tokenizer(), attention="sparse")
 
 
 # -- data, features, regeneration -----------------------------------------------------------------------

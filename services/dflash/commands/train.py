@@ -43,6 +43,9 @@ def register(sub) -> None:
     o.add_argument("--gamma", type=float, help="loss weight decay exp(-(k-1)/gamma) (default 7 for block 16)")
     o.add_argument("--distill-weight", type=float, default=0.0, help="share of KL to the target's softmax in [0, 1] (default 0)")
     o.add_argument("--amp", default="auto", choices=("auto", "bf16", "off"), help="bf16 autocast (auto: CUDA, or CPUs with AMX)")
+    o.add_argument("--attention", default="auto", choices=("auto", "dense", "sparse"),
+                   help="block mask: sparse = compiled flex attention, cost linear in anchors "
+                        "(auto: sparse on CUDA, dense on CPU)")
     o.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (default 200)")
     o.add_argument("--log-every", type=int, default=10, help="log line every N steps (default 10)")
     o.add_argument("--seed", type=int, default=0, help="seed for data order, anchors and init (default 0)")
@@ -76,7 +79,7 @@ def config_from_args(args: argparse.Namespace):
         regen_max_new_tokens=args.regen_max_new_tokens, regen_temperature=args.regen_temperature,
         regen_batch_size=args.regen_batch_size, eval_prompts=args.eval_prompts,
         eval_max_new_tokens=args.eval_max_new_tokens, save_every=args.save_every, log_every=args.log_every,
-        seed=args.seed, device=args.device, amp=args.amp, resume=args.resume,
+        seed=args.seed, device=args.device, amp=args.amp, attention=args.attention, resume=args.resume,
         init_drafter=args.init_drafter,
     )
 

@@ -18,6 +18,10 @@ checkpoint, so an interrupted build continues where it stopped. Stages:
               both models trained again on that data with one budget, each from the run its model's
               selection (final_dirs) kept after stage 6: drafter-extended and ar-draft; the drafter with
               the loss weight decay gamma 4 (more weight on the first slots)
+8b. data-unseen  6000 prompts from stdlib files the target never trained on (test suites, tools),
+              regenerated; then regenerated-mix.jsonl = stage 7's completions + these, and its AR text
+8c. drafter-mix, ar-mix
+              both models trained again on the mix with one budget, from drafter-more and ar-draft-more
 
 Pairs of stages with one budget (drafter and ar-draft, 6, 8) were run side by side, one core each, as two
 builds: `dflash demo build --stages drafter-more & dflash demo build --stages ar-more`. Extensions start
@@ -76,17 +80,27 @@ def stage_commands(work: Path) -> dict[str, list[str]]:
         "drafter-extend": _drafter_from(work, "drafter", work / "drafter" / "regenerated.jsonl", "drafter-extended",
                                         epochs=3, steps=2500, seed=1),
         "ar-extend": _ar_draft_from(work, "ar-data.jsonl", "ar-draft-extended", steps=4300, seed=1),
-        "data-more": PY + [
-            "dflash.cli", "regenerate", "--target", str(work / "target" / "final"),
-            "--data", str(work / "prompts-all.jsonl"), "--out", str(work / "regenerated-all.jsonl"),
-            "--max-new-tokens", "256", "--max-prompt-tokens", "368", "--batch-size", "32", "--device", "cpu",
-            "--threads", "2",
-        ],
+        "data-more": _regenerate(work, "prompts-all.jsonl", "regenerated-all.jsonl"),
         # About 100 minutes each on one core of the 2-core build machine, run at the same time.
         "drafter-more": _drafter_from(work, "drafter-extended", work / "regenerated-all.jsonl", "drafter-more",
                                       epochs=2, steps=2600, seed=2, extra=("--gamma", "4")),
         "ar-more": _ar_draft_from(work, "ar-data-all.jsonl", "ar-draft-more", steps=4400, seed=2),
+        "data-unseen": _regenerate(work, "prompts-unseen.jsonl", "regenerated-unseen.jsonl"),
+        # About 110 minutes each on one core of the 2-core build machine, run at the same time.
+        "drafter-mix": _drafter_from(work, "drafter-more", work / "regenerated-mix.jsonl", "drafter-mix",
+                                     epochs=1, steps=2800, seed=3, extra=("--gamma", "4")),
+        "ar-mix": _ar_draft_from(work, "ar-data-mix.jsonl", "ar-draft-mix", steps=4700, seed=3,
+                                 init="ar-draft-more"),
     }
+
+
+def _regenerate(work: Path, prompts: str, out: str) -> list[str]:
+    """`dflash regenerate`: the target's greedy responses (256 tokens) to a prompts file."""
+    return PY + [
+        "dflash.cli", "regenerate", "--target", str(work / "target" / "final"), "--data", str(work / prompts),
+        "--out", str(work / out), "--max-new-tokens", "256", "--max-prompt-tokens", "368", "--batch-size", "32",
+        "--device", "cpu", "--threads", "2",
+    ]
 
 
 def _drafter_from(work: Path, init: str, data: Path, out: str, *, epochs: int, steps: int, seed: int,
@@ -102,20 +116,22 @@ def _drafter_from(work: Path, init: str, data: Path, out: str, *, epochs: int, s
     ]
 
 
-def _ar_draft_from(work: Path, data: str, out: str, *, steps: int, seed: int) -> list[str]:
-    """The AR draft trained further from the first ar-draft run's final weights, with a new schedule."""
+def _ar_draft_from(work: Path, data: str, out: str, *, steps: int, seed: int, init: str = "ar-draft") -> list[str]:
+    """The AR draft trained further from run `init`'s final weights, with a new schedule."""
     return PY + [
         "dflash.demo.pretrain", "--out", str(work / out), "--tokenizer", str(work / "tokenizer"),
         "--data", str(work / data), "--layers", "2", "--steps", str(steps), "--batch-size", "16",
         "--seq-len", "256", "--lr", "1.3e-3", "--min-lr-ratio", "0.1", "--warmup", "40", "--seed", str(seed),
         "--checkpoint-every", "50", "--eval-every", "200", "--eval-windows", "32", "--threads", "1",
-        "--init-from", str(work / "ar-draft" / "final"),
+        "--init-from", str(work / init / "final"),
     ]
 
 
-DRAFTER_RUNS = ("drafter", "drafter-extended", "drafter-more")
-DRAFTER_STAGE_OUT = {"drafter": "drafter", "drafter-extend": "drafter-extended", "drafter-more": "drafter-more"}
-AR_RUNS = ("ar-draft", "ar-draft-extended", "ar-draft-more")
+DRAFTER_RUNS = ("drafter", "drafter-extended", "drafter-more", "drafter-mix")
+DRAFTER_STAGE_OUT = {"drafter": "drafter", "drafter-extend": "drafter-extended", "drafter-more": "drafter-more",
+                     "drafter-mix": "drafter-mix"}
+AR_RUNS = ("ar-draft", "ar-draft-extended", "ar-draft-more", "ar-draft-mix")
+NUM_UNSEEN_PROMPTS = 6000
 
 
 def final_dirs(work: Path) -> tuple[Path, Path]:
@@ -168,6 +184,22 @@ def write_all_prompts(work: Path) -> None:
     seeded, out = work / "drafter" / "regenerated.jsonl", work / "regenerated-all.jsonl"
     if not out.exists() and seeded.is_file():
         shutil.copyfile(seeded, out)
+
+
+def write_unseen_prompts(work: Path) -> None:
+    """Prompts from stdlib files the target never trained on (its test suites and tools). On its training
+    modules the target largely recites what it memorised; the held-out modules it has not seen, and this
+    data shows the drafter how the target writes there."""
+    with open(work / "prompts-unseen.jsonl", "w") as f:
+        for i, p in enumerate(corpus.unseen_prompts(NUM_UNSEEN_PROMPTS, seed=SEED)):
+            f.write(json.dumps({"id": f"unseen-{i}", "prompt": p}) + "\n")
+
+
+def write_mix(work: Path) -> None:
+    """regenerated-mix.jsonl: every training-module completion, then every unseen-file one."""
+    with open(work / "regenerated-mix.jsonl", "w") as dst:
+        for name in ("regenerated-all.jsonl", "regenerated-unseen.jsonl"):
+            dst.write((work / name).read_text())
 
 
 def write_ar_data(work: Path, regenerated: Path | None = None, out: Path | None = None) -> None:
@@ -258,7 +290,12 @@ def build(work: Path, stages: list[str]) -> None:
                 write_all_prompts(work)
             elif stage == "ar-more":
                 write_ar_data(work, work / "regenerated-all.jsonl", work / "ar-data-all.jsonl")
+            elif stage == "data-unseen":
+                write_unseen_prompts(work)
             run(cmd, log)
+            if stage == "data-unseen":  # both mix stages then read finished files, side by side
+                write_mix(work)
+                write_ar_data(work, work / "regenerated-mix.jsonl", work / "ar-data-mix.jsonl")
         elif stage == "prompts":
             write_prompts(work)
         elif stage == "eval":
@@ -268,4 +305,4 @@ def build(work: Path, stages: list[str]) -> None:
 
 
 STAGES = ["tokenizer", "target", "prompts", "drafter", "ar-draft", "drafter-extend", "ar-extend", "data-more",
-          "drafter-more", "ar-more", "eval", "install"]
+          "drafter-more", "ar-more", "data-unseen", "drafter-mix", "ar-mix", "eval", "install"]

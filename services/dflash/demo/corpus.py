@@ -12,7 +12,7 @@ import sysconfig
 from pathlib import Path
 from typing import Literal
 
-Split = Literal["train", "heldout"]
+Split = Literal["train", "heldout", "unseen"]
 
 #: Stdlib files (relative to the stdlib root) excluded from training and used for
 #: held-out loss and evaluation prompts. Chosen to be small, self-contained and
@@ -59,16 +59,28 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+# Of the skipped folders, those still holding the standard library's own code (its test suites and
+# tools): the target never trains on them, so they show how it writes code it has not memorised.
+_THIRD_PARTY_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
 def _is_skipped(rel: Path) -> bool:
     return any(part in _SKIP_DIRS or part.startswith("config-") for part in rel.parts[:-1])
 
 
-def list_files(split: Split = "train", root: Path | None = None) -> list[Path]:
-    """List the corpus files of ``split`` ("train" or "heldout") in sorted order.
+def _is_unseen(rel: Path) -> bool:
+    folders = rel.parts[:-1]
+    return _is_skipped(rel) and not any(part in _THIRD_PARTY_DIRS or part.startswith("config-") for part in folders)
 
-    Skips site-packages, test/tool folders and files above :data:`MAX_FILE_BYTES`.
+
+def list_files(split: Split = "train", root: Path | None = None) -> list[Path]:
+    """List the corpus files of ``split`` in sorted order.
+
+    "train": the target's training files (no site-packages, test/tool folders or held-out modules);
+    "heldout": :data:`HELD_OUT_MODULES`; "unseen": the stdlib's test/tool folders, which the target
+    never trains on (drafter data only, never evaluation). Files above :data:`MAX_FILE_BYTES` are left out.
     """
-    if split not in ("train", "heldout"):
+    if split not in ("train", "heldout", "unseen"):
         raise ValueError(f"unknown split {split!r}")
     root = root or stdlib_root()
     if split == "heldout":
@@ -77,7 +89,9 @@ def list_files(split: Split = "train", root: Path | None = None) -> list[Path]:
     files = []
     for path in root.rglob("*.py"):
         rel = path.relative_to(root)
-        if rel.as_posix() in held or _is_skipped(rel):
+        if rel.as_posix() in held or _is_skipped(rel) != (split == "unseen"):
+            continue
+        if split == "unseen" and not _is_unseen(rel):
             continue
         if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
             continue
@@ -136,3 +150,8 @@ def heldout_prompts(n: int = 64, prompt_chars: int = 300, seed: int = 0) -> list
 def training_prompts(n: int, prompt_chars: int = 300, seed: int = 0) -> list[str]:
     """Return ``n`` deterministic prompts cut from the training files."""
     return cut_prompts(load_texts("train"), n, prompt_chars, seed)
+
+
+def unseen_prompts(n: int, prompt_chars: int = 300, seed: int = 0) -> list[str]:
+    """Return ``n`` deterministic prompts cut from stdlib files the target never trained on."""
+    return cut_prompts(load_texts("unseen"), n, prompt_chars, seed)

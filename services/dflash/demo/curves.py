@@ -16,9 +16,10 @@ def _read(path: Path) -> list[dict]:
 RUNS = {
     "target": (("target", None, ""),),
     "drafter": (("drafter", None, ""), ("drafter-extended", "drafter", " (extension)"),
-                ("drafter-more", "drafter-extended", " (more data)")),
+                ("drafter-more", "drafter-extended", " (more data)"),
+                ("drafter-mix", "drafter-more", " (+ unseen-file data)")),
     "ar": (("ar-draft", None, ""), ("ar-draft-extended", "ar-draft", " (extension)"),
-           ("ar-draft-more", "ar-draft", " (more data)")),
+           ("ar-draft-more", "ar-draft", " (more data)"), ("ar-draft-mix", "ar-draft-more", " (+ unseen-file data)")),
 }
 
 

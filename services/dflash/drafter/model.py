@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
@@ -96,9 +97,11 @@ class DFlashAttention(nn.Module):
             k_ctx, v_ctx = cache.append(self.layer_idx, k_ctx, v_ctx)
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=False, enable_gqa=self.num_kv_heads != self.num_heads
-        )
+        gqa = self.num_kv_heads != self.num_heads
+        if isinstance(mask, BlockMask):
+            out = _flex_attention(q.device)(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:-1], -1))
 
 
@@ -143,7 +146,8 @@ class DFlashDraftModel(nn.Module):
             positions (appended to `cache` when one is given).
         position_ids: [B, C + Lc + Lq] absolute positions of cached context, new context, then block,
             or [B, Lc + Lq] when no cache is given.
-        attention_mask: optional bool [B, 1, Lq, C + Lc + Lq], True where a query may look (training).
+        attention_mask: optional bool [B, 1, Lq, C + Lc + Lq], True where a query may look (training), or
+            that mask as a flex-attention BlockMask (only for drafters without sliding-window layers).
         Returns [B, Lq, H], normalised; apply the target's lm_head to get logits.
         """
         context = self.hidden_norm(self.fc(target_hidden))
@@ -155,14 +159,34 @@ class DFlashDraftModel(nn.Module):
             hidden = layer(hidden, context, rope, masks[layer.self_attn.sliding_window], cache)
         return self.norm(hidden)
 
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(layer.self_attn.sliding_window is not None for layer in self.layers)
+
     def _masks(self, position_ids, num_queries, attention_mask):
         masks = {None: attention_mask}
+        if isinstance(attention_mask, BlockMask) and self.has_sliding_window:
+            raise ValueError("a BlockMask cannot be combined with sliding-window layers; pass a dense mask")
         for window in {l.self_attn.sliding_window for l in self.layers} - {None}:
             q_pos = position_ids[:, -num_queries:, None]
             near = (q_pos - position_ids[:, None, :]) < window
             near = near[:, None]
             masks[window] = near if attention_mask is None else (near & attention_mask)
         return masks
+
+
+_COMPILED_FLEX = None
+
+
+def _flex_attention(device: torch.device):
+    """flex_attention, compiled on CUDA (where it skips masked-out tiles); eager elsewhere, which computes
+    the same result densely (used by the CPU tests that check the sparse path against the dense one)."""
+    global _COMPILED_FLEX
+    if device.type != "cuda":
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
 
 
 def qwen3_config(config: DFlashConfig) -> Qwen3Config:

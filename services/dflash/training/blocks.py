@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 IGNORE = -100
 
@@ -37,7 +38,8 @@ class Blocks:
     labels:     [B, A, Bs] token ids to predict, IGNORE where no loss (slot 0, past the end, not response).
     teacher_positions: [B, A, Bs] the sequence position whose target logits predict each label
                 (label position - 1); only meaningful where labels != IGNORE.
-    attention_mask: [B, 1, A*Bs, S + A*Bs] bool, True where a block token may look.
+    attention_mask: [B, 1, A*Bs, S + A*Bs] bool, True where a block token may look; or the same mask as
+                a flex-attention BlockMask (sparse: its cost grows linearly with the number of anchors).
     valid:      [B, A] which anchors are real (rows with fewer eligible anchors are padded).
     """
 
@@ -45,7 +47,7 @@ class Blocks:
     positions: torch.Tensor
     labels: torch.Tensor
     teacher_positions: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | BlockMask
     valid: torch.Tensor
 
 
@@ -108,8 +110,12 @@ def make_blocks(
     valid: torch.Tensor,
     block_size: int,
     mask_token_id: int,
+    sparse_mask: bool = False,
 ) -> Blocks:
-    """Build the drafter's block inputs, labels and attention mask for sequences [B, S]."""
+    """Build the drafter's block inputs, labels and attention mask for sequences [B, S].
+
+    sparse_mask: the mask as a flex-attention BlockMask instead of a dense bool tensor.
+    """
     batch, seq_len = input_ids.shape
     offsets = torch.arange(block_size, device=input_ids.device)
     pos = anchors[:, :, None] + offsets  # [B, A, Bs]
@@ -129,7 +135,7 @@ def make_blocks(
         positions=pos.view(batch, -1),
         labels=labels,
         teacher_positions=(pos - 1).clamp(min=0, max=seq_len - 1),
-        attention_mask=block_attention_mask(anchors, seq_len, block_size),
+        attention_mask=(block_sparse_mask if sparse_mask else block_attention_mask)(anchors, seq_len, block_size),
         valid=valid,
     )
 
@@ -151,6 +157,24 @@ def block_attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -
         [context.reshape(batch, num_anchors * block_size, seq_len), same.expand(batch, -1, -1)], dim=2
     )
     return mask[:, None]
+
+
+def block_sparse_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> BlockMask:
+    """`block_attention_mask` as a flex-attention BlockMask, for the same key layout.
+
+    The dense mask costs (A*Bs) x (S + A*Bs) per sequence, and so does attention under it: quadratic
+    in the number of anchors. With the paper's 512 anchors on a 4k-token sequence that is 100M mask
+    entries per sequence and per head. The BlockMask lets compiled flex attention skip every tile with
+    nothing visible, so blocks cost only their context and their own block.
+    """
+    batch, num_anchors = anchors.shape
+
+    def visible(b, h, q, kv):
+        block = q // block_size
+        return torch.where(kv < seq_len, kv < anchors[b, block], (kv - seq_len) // block_size == block)
+
+    return create_block_mask(visible, batch, None, num_anchors * block_size, seq_len + num_anchors * block_size,
+                             device=anchors.device)
 
 
 def block_accuracy(predictions: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

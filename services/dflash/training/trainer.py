@@ -130,6 +130,7 @@ class Trainer:
         self.anchor_generator = torch.Generator().manual_seed(config.seed)
         self.progress = Progress()
         self.amp = _amp_enabled(config.amp, self.device)
+        self.sparse_mask = _sparse_attention(config.attention, self.device, self.drafter)
 
     # -- one step -----------------------------------------------------------------------------------
 
@@ -139,7 +140,8 @@ class Trainer:
         target = self.features(batch)
         ids, loss_mask = batch.input_ids.to(self.device), batch.loss_mask.to(self.device)
         anchors, valid = sample_anchors(loss_mask, cfg.max_anchors, self.anchor_generator)
-        blocks = make_blocks(ids, loss_mask, anchors, valid, cfg.block_size, self.drafter.config.mask_token_id)
+        blocks = make_blocks(ids, loss_mask, anchors, valid, cfg.block_size, self.drafter.config.mask_token_id,
+                             sparse_mask=self.sparse_mask)
         batch_size, seq_len = ids.shape
         context_positions = torch.arange(seq_len, device=self.device).expand(batch_size, -1)
         positions = torch.cat([context_positions, blocks.positions], dim=1)
@@ -297,6 +299,20 @@ def _amp_enabled(amp: str, device: torch.device) -> bool:
     # Without AMX tiles CPU bf16 matmuls are slower than fp32 (a training step: 1.4x slower on AVX512-BF16).
     is_amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     return device.type == "cpu" and bool(is_amx())
+
+
+def _sparse_attention(attention: str, device: torch.device, drafter: DFlashDraftModel) -> bool:
+    """Whether the block mask is a flex-attention BlockMask. auto: on CUDA, where compiled flex attention
+    skips the masked tiles; the dense mask on CPU (eager flex attention is no faster there)."""
+    if attention == "sparse" and device.type != "cuda":
+        raise DFlashError(f"--attention sparse needs a CUDA device (PyTorch has no flex-attention backward on "
+                          f"{device.type}); use --attention dense or auto")
+    if attention == "sparse" and drafter.has_sliding_window:
+        raise DFlashError("--attention sparse does not support drafters with sliding-window layers; "
+                          "use --attention dense")
+    if attention == "auto":
+        return device.type == "cuda" and not drafter.has_sliding_window
+    return attention == "sparse"
 
 
 def _init_weights(model: torch.nn.Module, std: float) -> None:
