@@ -185,7 +185,7 @@ def _flex_attention(device: torch.device):
     if device.type != "cuda":
         return flex_attention
     if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+        _COMPILED_FLEX = torch.compile(flex_attention)  # dynamic shapes after the first new length
     return _COMPILED_FLEX
 
 
