@@ -26,7 +26,9 @@ from dflash.training.config import TrainConfig, TrainConfigError
 from dflash.training.data import load_samples, read_records, tokenize
 from dflash.training.features import CachedFeatures, OnlineFeatures, cache_features
 from dflash.training.regenerate import regenerate
+from dflash.training import trainer as trainer_module
 from dflash.training.trainer import Trainer
+from torch.nn.attention.flex_attention import BlockMask
 
 VOCAB = 64
 MASK_ID = 2
@@ -208,30 +210,78 @@ def test_sparse_block_mask_is_the_dense_mask():
     assert sparse.shape[-2:] == dense.shape[-2:]
 
 
+def _loss_with_mask(trainer: Trainer, batch, sparse: bool):
+    """forward_loss with the dense or the sparse mask and the same anchors; checks which mask it built."""
+    built = []
+    make = trainer_module.make_blocks
+
+    def spy(*args, **kwargs):
+        blocks = make(*args, **kwargs)
+        built.append(blocks.attention_mask)
+        return blocks
+
+    trainer.sparse_mask = sparse
+    trainer.anchor_generator.manual_seed(7)
+    trainer_module.make_blocks = spy
+    try:
+        part = trainer.forward_loss(batch)
+    finally:
+        trainer_module.make_blocks = make
+    assert isinstance(built[0], BlockMask) == sparse
+    return part
+
+
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*")
-def test_sparse_attention_loss_equals_dense(tmp_path):
+@pytest.mark.parametrize("amp", ["off", "bf16"])
+def test_sparse_attention_loss_equals_dense(tmp_path, amp):
     """A training forward with the BlockMask (flex attention: eager here, the dense computation the
-    compiled CUDA kernel must match) gives the dense forward's loss and accuracy counts. Forward only:
-    PyTorch has no flex-attention backward on CPU, so the sparse step itself runs on CUDA only."""
-    trainer = make_trainer(tmp_path, tiny_target(), tiny_tokenizer(), distill_weight=0.5)
-    assert not trainer.sparse_mask  # auto: dense on CPU
+    compiled CUDA kernel must match) gives the dense forward's loss, also under bf16 autocast. Forward
+    only: PyTorch has no flex-attention backward on CPU, so the sparse step itself is CUDA only."""
+    trainer = make_trainer(tmp_path, tiny_target(), tiny_tokenizer(), distill_weight=0.5, amp=amp)
+    assert not trainer.sparse_mask  # the default
     batch = trainer.batch([0, 1, 2])
-    parts = {}
-    for sparse in (False, True):
-        trainer.sparse_mask = sparse
+    with torch.no_grad():
+        dense, sparse = (_loss_with_mask(trainer, batch, s) for s in (False, True))
+    tol = 1e-5 if amp == "off" else 2e-2
+    assert float(sparse.loss) == pytest.approx(float(dense.loss), rel=tol)
+    if amp == "off":
+        assert torch.equal(sparse.slot_correct, dense.slot_correct)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention trains on CUDA only")
+def test_sparse_attention_step_equals_dense_on_cuda(tmp_path):
+    """GPU check of --attention sparse: compiled flex attention, bf16 autocast, backward; lengths over
+    the kernel's 128-token tile and not a multiple of it (context 150, 12 anchors x 16 = 192 queries)."""
+    target = tiny_target().to("cuda")
+    data = tmp_path / "long.jsonl"
+    rng = torch.Generator().manual_seed(0)
+    with open(data, "w") as f:
+        for i in range(4):
+            f.write(json.dumps({"id": f"r{i}", "prompt": words(rng, 10), "response": words(rng, 140)}) + "\n")
+    results = {}
+    for attention in ("dense", "sparse"):
+        trainer = make_trainer(tmp_path, target, tiny_tokenizer(), data=str(data), out_dir=str(tmp_path / attention),
+                               attention=attention, amp="bf16", block_size=16, max_anchors=12, max_length=150,
+                               distill_weight=0.5)
+        assert trainer.sparse_mask == (attention == "sparse")
         trainer.anchor_generator.manual_seed(7)
-        with torch.no_grad():
-            parts[sparse] = trainer.forward_loss(batch)
-    assert float(parts[True].loss) == pytest.approx(float(parts[False].loss), rel=1e-5)
-    assert torch.equal(parts[True].slot_correct, parts[False].slot_correct)
+        part = trainer.forward_loss(trainer.batch([0, 1, 2, 3]))
+        part.loss.backward()
+        results[attention] = (float(part.loss), {n: p.grad.float().cpu() for n, p in trainer.drafter.named_parameters()})
+    (dense_loss, dense_grads), (sparse_loss, sparse_grads) = results["dense"], results["sparse"]
+    assert sparse_loss == pytest.approx(dense_loss, rel=2e-2)
+    for name, g in dense_grads.items():
+        cos = torch.nn.functional.cosine_similarity(sparse_grads[name].flatten(), g.flatten(), dim=0)
+        assert cos > 0.98, (name, float(cos))
 
 
 def test_attention_setting_is_validated(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"text": "w1"}\n')
     with pytest.raises(TrainConfigError, match="--attention"):
         TrainConfig(target=".", data=str(tmp_path / "d.jsonl"), out_dir=str(tmp_path), attention="flash")
-    with pytest.raises(DFlashError, match="--attention sparse needs a CUDA device"):
-        make_trainer(tmp_path, tiny_target(), tiny_tokenizer(), attention="sparse")
+    if not torch.cuda.is_available():
+        with pytest.raises(DFlashError, match="--attention sparse needs a CUDA device"):
+            make_trainer(tmp_path, tiny_target(), tiny_tokenizer(), attention="sparse")
 
 
 # -- data, features, regeneration -----------------------------------------------------------------------

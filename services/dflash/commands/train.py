@@ -43,9 +43,9 @@ def register(sub) -> None:
     o.add_argument("--gamma", type=float, help="loss weight decay exp(-(k-1)/gamma) (default 7 for block 16)")
     o.add_argument("--distill-weight", type=float, default=0.0, help="share of KL to the target's softmax in [0, 1] (default 0)")
     o.add_argument("--amp", default="auto", choices=("auto", "bf16", "off"), help="bf16 autocast (auto: CUDA, or CPUs with AMX)")
-    o.add_argument("--attention", default="auto", choices=("auto", "dense", "sparse"),
-                   help="block mask: sparse = compiled flex attention, cost linear in anchors "
-                        "(auto: sparse on CUDA, dense on CPU)")
+    o.add_argument("--attention", default="dense", choices=("dense", "sparse"),
+                   help="block mask: dense (default) or sparse = compiled flex attention, whose attention cost "
+                        "grows linearly with --max-anchors (CUDA only)")
     o.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (default 200)")
     o.add_argument("--log-every", type=int, default=10, help="log line every N steps (default 10)")
     o.add_argument("--seed", type=int, default=0, help="seed for data order, anchors and init (default 0)")

@@ -23,7 +23,7 @@ checkpoint, so an interrupted build continues where it stopped. Stages:
 8c. drafter-mix, ar-mix
               both models trained again on the mix with one budget, from drafter-more and ar-draft-more
 
-Pairs of stages with one budget (drafter and ar-draft, 6, 8) were run side by side, one core each, as two
+Pairs of stages with one budget (drafter and ar-draft, 6, 8, 8c) were run side by side, one core each, as two
 builds: `dflash demo build --stages drafter-more & dflash demo build --stages ar-more`. Extensions start
 from the bf16 weights their parent saved, not its float32 state.
 9. eval       tau at T=0 and T=1, block 8 and 16, on held-out modules, beside the baseline
@@ -291,6 +291,8 @@ def build(work: Path, stages: list[str]) -> None:
             elif stage == "ar-more":
                 write_ar_data(work, work / "regenerated-all.jsonl", work / "ar-data-all.jsonl")
             elif stage == "data-unseen":
+                if not (work / "regenerated-all.jsonl").is_file():  # the mix needs it after the long run
+                    raise DFlashError(f"'{work}/regenerated-all.jsonl' is missing; run the data-more stage first")
                 write_unseen_prompts(work)
             run(cmd, log)
             if stage == "data-unseen":  # both mix stages then read finished files, side by side

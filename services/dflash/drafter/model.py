@@ -99,7 +99,11 @@ class DFlashAttention(nn.Module):
         v = torch.cat([v_ctx, v_blk], dim=2)
         gqa = self.num_kv_heads != self.num_heads
         if isinstance(mask, BlockMask):
-            out = _flex_attention(q.device)(q, k, v, block_mask=mask, enable_gqa=gqa)
+            # Under autocast q/k leave their RMSNorm in float32 while v is bf16; SDPA is on autocast's cast
+            # list, flex attention is not, and older releases reject mixed dtypes.
+            device = q.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else v.dtype
+            out = _flex_attention(q.device)(q.to(dtype), k.to(dtype), v.to(dtype), block_mask=mask, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:-1], -1))

@@ -162,10 +162,10 @@ def block_attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -
 def block_sparse_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> BlockMask:
     """`block_attention_mask` as a flex-attention BlockMask, for the same key layout.
 
-    The dense mask costs (A*Bs) x (S + A*Bs) per sequence, and so does attention under it: quadratic
-    in the number of anchors. With the paper's 512 anchors on a 4k-token sequence that is 100M mask
-    entries per sequence and per head. The BlockMask lets compiled flex attention skip every tile with
-    nothing visible, so blocks cost only their context and their own block.
+    Attention under the dense mask costs (A*Bs) x (S + A*Bs) scores per sequence and head: quadratic in
+    the number of anchors (the paper's 512 anchors on a 4k-token sequence: 100M per sequence and head).
+    The BlockMask lets compiled flex attention skip every tile with nothing visible, so a block costs
+    only its context and its own block. Building the BlockMask still evaluates the mask once per step.
     """
     batch, num_anchors = anchors.shape
 

@@ -60,7 +60,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     amp: str = "auto"
-    attention: str = "auto"
+    attention: str = "dense"
     save_dtype: str = "bfloat16"
     resume: bool = False
     init_drafter: str | None = None
@@ -98,8 +98,8 @@ class TrainConfig:
             raise TrainConfigError(f"--seed must be >= 0, got {self.seed}")
         if self.amp not in ("auto", "bf16", "off"):
             raise TrainConfigError(f"--amp must be auto, bf16 or off, got {self.amp!r}")
-        if self.attention not in ("auto", "dense", "sparse"):
-            raise TrainConfigError(f"--attention must be auto, dense or sparse, got {self.attention!r}")
+        if self.attention not in ("dense", "sparse"):
+            raise TrainConfigError(f"--attention must be dense or sparse, got {self.attention!r}")
         if self.save_dtype not in ("bfloat16", "float16", "float32"):
             raise TrainConfigError(f"save dtype must be bfloat16, float16 or float32, got {self.save_dtype!r}")
         if not Path(self.data).is_file():

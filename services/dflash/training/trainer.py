@@ -302,17 +302,16 @@ def _amp_enabled(amp: str, device: torch.device) -> bool:
 
 
 def _sparse_attention(attention: str, device: torch.device, drafter: DFlashDraftModel) -> bool:
-    """Whether the block mask is a flex-attention BlockMask. auto: on CUDA, where compiled flex attention
-    skips the masked tiles; the dense mask on CPU (eager flex attention is no faster there)."""
-    if attention == "sparse" and device.type != "cuda":
+    """Whether the block mask is a flex-attention BlockMask (--attention sparse, CUDA only)."""
+    if attention == "dense":
+        return False
+    if device.type != "cuda":
         raise DFlashError(f"--attention sparse needs a CUDA device (PyTorch has no flex-attention backward on "
-                          f"{device.type}); use --attention dense or auto")
-    if attention == "sparse" and drafter.has_sliding_window:
+                          f"{device.type}); use --attention dense")
+    if drafter.has_sliding_window:
         raise DFlashError("--attention sparse does not support drafters with sliding-window layers; "
                           "use --attention dense")
-    if attention == "auto":
-        return device.type == "cuda" and not drafter.has_sliding_window
-    return attention == "sparse"
+    return True
 
 
 def _init_weights(model: torch.nn.Module, std: float) -> None:
