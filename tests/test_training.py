@@ -200,7 +200,7 @@ def test_mask_isolates_blocks_in_the_model():
 
 
 def test_sparse_block_mask_is_the_dense_mask():
-    """The flex-attention BlockMask (the CUDA default) marks exactly the dense mask's entries, padded
+    """The flex-attention BlockMask (--attention sparse) marks exactly the dense mask's entries, padded
     anchors included."""
     anchors = torch.tensor([[1, 4, 9], [0, 2, 0]])
     sparse = block_sparse_mask(anchors, 12, 4)
@@ -210,7 +210,7 @@ def test_sparse_block_mask_is_the_dense_mask():
     assert sparse.shape[-2:] == dense.shape[-2:]
 
 
-def _loss_with_mask(trainer: Trainer, batch, sparse: bool):
+def _loss_with_mask(trainer: Trainer, batch, sparse: bool, monkeypatch):
     """forward_loss with the dense or the sparse mask and the same anchors; checks which mask it built."""
     built = []
     make = trainer_module.make_blocks
@@ -222,18 +222,16 @@ def _loss_with_mask(trainer: Trainer, batch, sparse: bool):
 
     trainer.sparse_mask = sparse
     trainer.anchor_generator.manual_seed(7)
-    trainer_module.make_blocks = spy
-    try:
+    with monkeypatch.context() as m:
+        m.setattr(trainer_module, "make_blocks", spy)
         part = trainer.forward_loss(batch)
-    finally:
-        trainer_module.make_blocks = make
     assert isinstance(built[0], BlockMask) == sparse
     return part
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*")
 @pytest.mark.parametrize("amp", ["off", "bf16"])
-def test_sparse_attention_loss_equals_dense(tmp_path, amp):
+def test_sparse_attention_loss_equals_dense(tmp_path, amp, monkeypatch):
     """A training forward with the BlockMask (flex attention: eager here, the dense computation the
     compiled CUDA kernel must match) gives the dense forward's loss, also under bf16 autocast. Forward
     only: PyTorch has no flex-attention backward on CPU, so the sparse step itself is CUDA only."""
@@ -241,7 +239,7 @@ def test_sparse_attention_loss_equals_dense(tmp_path, amp):
     assert not trainer.sparse_mask  # the default
     batch = trainer.batch([0, 1, 2])
     with torch.no_grad():
-        dense, sparse = (_loss_with_mask(trainer, batch, s) for s in (False, True))
+        dense, sparse = (_loss_with_mask(trainer, batch, s, monkeypatch) for s in (False, True))
     tol = 1e-5 if amp == "off" else 2e-2
     assert float(sparse.loss) == pytest.approx(float(dense.loss), rel=tol)
     if amp == "off":

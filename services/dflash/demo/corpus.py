@@ -59,8 +59,9 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-# Of the skipped folders, those still holding the standard library's own code (its test suites and
-# tools): the target never trains on them, so they show how it writes code it has not memorised.
+# Skipped folders that hold no standard-library code; the other skipped folders (test suites, tools)
+# form the "unseen" split: the target never trains on them, so they show how it writes code it has not
+# memorised.
 _THIRD_PARTY_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
@@ -92,9 +93,8 @@ def list_files(split: Split = "train", root: Path | None = None) -> list[Path]:
     files = []
     for path in root.rglob("*.py"):
         rel = path.relative_to(root)
-        if rel.as_posix() in held or _is_skipped(rel) != (split == "unseen"):
-            continue
-        if split == "unseen" and not _is_unseen(rel):
+        in_split = _is_unseen(rel) if split == "unseen" else not _is_skipped(rel)
+        if rel.as_posix() in held or not in_split:
             continue
         if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
             continue
