@@ -546,3 +546,35 @@ def test_cli_train_init_drafter_starts_from_its_weights(tmp_path, capsys):
     rc = cli_main(common + ["--out", str(tmp_path / "bad2"), "--init-drafter", str(tmp_path / "nowhere")])
     assert rc == 2
     assert "--init-drafter" in capsys.readouterr().err
+
+
+def test_cli_train_init_drafter_may_read_other_target_layers(tmp_path, capsys):
+    """Explicit --target-layer-ids may re-point a drafter at other target layers, as many as it read: the
+    weights carry over and the saved drafter reads the new layers; a different count is named."""
+    target_dir = tmp_path / "target"
+    tiny_target().save_pretrained(target_dir)
+    tiny_tokenizer().save_pretrained(target_dir)
+    write_data(tmp_path / "data.jsonl", 8)
+    common = ["train", "--target", str(target_dir), "--data", str(tmp_path / "data.jsonl"), "--block-size", "4",
+              "--batch-size", "2", "--max-length", "32", "--max-anchors", "4", "--device", "cpu", "--steps", "1"]
+    first = tmp_path / "first"
+    assert cli_main(common + ["--out", str(first), "--target-layer-ids", "0,1", "--lr", "3e-3"]) == 0
+    moved = tmp_path / "moved"
+    assert cli_main(common + ["--out", str(moved), "--target-layer-ids", "0,2", "--lr", "1e-12",
+                              "--init-drafter", str(first)]) == 0
+    assert "reads [0, 2]" in capsys.readouterr().out
+    a, b = load_drafter(first), load_drafter(moved)
+    assert b.config.target_layer_ids == (0, 2)
+    assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())
+
+    rc = cli_main(common + ["--out", str(tmp_path / "bad"), "--target-layer-ids", "0,1,2",
+                            "--init-drafter", str(first)])
+    assert rc == 2
+    assert "target_layer_ids=(0, 1)" in capsys.readouterr().err
+    # Without explicit ids the flags' own layers (here [2]) must be the ones the drafter read.
+    single = tmp_path / "single"
+    assert cli_main(common + ["--out", str(single), "--target-layer-ids", "0"]) == 0
+    capsys.readouterr()
+    rc = cli_main(common + ["--out", str(tmp_path / "bad2"), "--num-features", "1", "--init-drafter", str(single)])
+    assert rc == 2
+    assert "target_layer_ids=(0,) but these flags build target_layer_ids=(2,)" in capsys.readouterr().err

@@ -22,8 +22,12 @@ checkpoint, so an interrupted build continues where it stopped. Stages:
               regenerated; then regenerated-mix.jsonl = stage 7's completions + these, and its AR text
 8c. drafter-mix, ar-mix
               both models trained again on the mix with one budget, from drafter-more and ar-draft-more
+8d. drafter-spread, ar-spread
+              both trained again on the mix with one budget, from drafter-mix and ar-draft-mix; the drafter
+              now reads target layers 1, 3, 5 instead of 1, 2, 3 (the paper's spread leaves out a target's top
+              3 layers, which is half of this 6-layer target), keeping its weights (`--target-layer-ids`)
 
-Pairs of stages with one budget (drafter and ar-draft, 6, 8, 8c) were run side by side, one core each, as two
+Pairs of stages with one budget (drafter and ar-draft, 6, 8, 8c, 8d) were run side by side, one core each, as two
 builds: `dflash demo build --stages drafter-more & dflash demo build --stages ar-more`. Extensions start
 from the bf16 weights their parent saved, not its float32 state.
 9. eval       tau at T=0 and T=1, block 8 and 16, on held-out modules, beside the baseline
@@ -91,6 +95,12 @@ def stage_commands(work: Path) -> dict[str, list[str]]:
                                      epochs=1, steps=2800, seed=3, extra=("--gamma", "4")),
         "ar-mix": _ar_draft_from(work, "ar-data-mix.jsonl", "ar-draft-mix", steps=4700, seed=3,
                                  init="ar-draft-more"),
+        # About 95 minutes each on one core of the 2-core build machine, run at the same time.
+        "drafter-spread": _drafter_from(work, "drafter-mix", work / "regenerated-mix.jsonl", "drafter-spread",
+                                        epochs=1, steps=2400, seed=4,
+                                        extra=("--gamma", "4", "--target-layer-ids", "1,3,5")),
+        "ar-spread": _ar_draft_from(work, "ar-data-mix.jsonl", "ar-draft-spread", steps=4300, seed=4,
+                                    init="ar-draft-mix"),
     }
 
 
@@ -127,10 +137,10 @@ def _ar_draft_from(work: Path, data: str, out: str, *, steps: int, seed: int, in
     ]
 
 
-DRAFTER_RUNS = ("drafter", "drafter-extended", "drafter-more", "drafter-mix")
+DRAFTER_RUNS = ("drafter", "drafter-extended", "drafter-more", "drafter-mix", "drafter-spread")
 DRAFTER_STAGE_OUT = {"drafter": "drafter", "drafter-extend": "drafter-extended", "drafter-more": "drafter-more",
-                     "drafter-mix": "drafter-mix"}
-AR_RUNS = ("ar-draft", "ar-draft-extended", "ar-draft-more", "ar-draft-mix")
+                     "drafter-mix": "drafter-mix", "drafter-spread": "drafter-spread"}
+AR_RUNS = ("ar-draft", "ar-draft-extended", "ar-draft-more", "ar-draft-mix", "ar-draft-spread")
 NUM_UNSEEN_PROMPTS = 6000
 
 
@@ -307,4 +317,4 @@ def build(work: Path, stages: list[str]) -> None:
 
 
 STAGES = ["tokenizer", "target", "prompts", "drafter", "ar-draft", "drafter-extend", "ar-extend", "data-more",
-          "drafter-more", "ar-more", "data-unseen", "drafter-mix", "ar-mix", "eval", "install"]
+          "drafter-more", "ar-more", "data-unseen", "drafter-mix", "ar-mix", "drafter-spread", "ar-spread", "eval", "install"]

@@ -17,9 +17,11 @@ RUNS = {
     "target": (("target", None, ""),),
     "drafter": (("drafter", None, ""), ("drafter-extended", "drafter", " (extension)"),
                 ("drafter-more", "drafter-extended", " (more data)"),
-                ("drafter-mix", "drafter-more", " (+ unseen-file data)")),
+                ("drafter-mix", "drafter-more", " (+ unseen-file data)"),
+                ("drafter-spread", "drafter-mix", " (target layers 1, 3, 5)")),
     "ar": (("ar-draft", None, ""), ("ar-draft-extended", "ar-draft", " (extension)"),
-           ("ar-draft-more", "ar-draft", " (more data)"), ("ar-draft-mix", "ar-draft-more", " (+ unseen-file data)")),
+           ("ar-draft-more", "ar-draft", " (more data)"), ("ar-draft-mix", "ar-draft-more", " (+ unseen-file data)"),
+           ("ar-draft-spread", "ar-draft-mix", " (one more round)")),
 }
 
 

@@ -25,7 +25,8 @@ class TrainConfig:
     Loss: weights exp(-(k-1)/gamma) (gamma None: 7 for block 16, 5 for 10, 4 for 8);
     distill_weight in [0, 1] mixes in KL from the target's softmax.
     init_drafter: a drafter directory whose weights replace the fresh init (optimizer and schedule start
-    anew); its config must equal the one these flags build.
+    anew); its config must equal the one these flags build, except that explicit target_layer_ids may name
+    other layers (as many) than it read.
     """
 
     target: str

@@ -45,7 +45,8 @@ def train(config: TrainConfig) -> Path:
     drafter_config = drafter_config_for(config, model, tokenizer)
     init_weights = None
     if config.init_drafter is not None and not config.resume:
-        init_weights = initial_weights(config.init_drafter, drafter_config)
+        init_weights = initial_weights(config.init_drafter, drafter_config,
+                                       new_layer_ids=config.target_layer_ids is not None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     layer_ids = drafter_config.target_layer_ids
     if config.offline_features:
@@ -95,15 +96,23 @@ def drafter_config_for(config: TrainConfig, model, tokenizer) -> DFlashConfig:
     return drafter_config
 
 
-def initial_weights(directory: str, drafter_config: DFlashConfig) -> dict[str, torch.Tensor]:
-    """The float32 weights of the drafter in `directory`, which must have the shape the flags build."""
+def initial_weights(directory: str, drafter_config: DFlashConfig, *,
+                    new_layer_ids: bool = False) -> dict[str, torch.Tensor]:
+    """The float32 weights of the drafter in `directory`, which must have the shape the flags build.
+
+    With `new_layer_ids` (ids given explicitly) the drafter may have read other target layers, as many as
+    these: its weights keep their shapes and training re-learns what the feature projection means."""
     start = load_drafter(directory, dtype=torch.float32)
     for f in dataclasses.fields(DFlashConfig):
         if not f.compare:
             continue
         theirs, ours = getattr(start.config, f.name), getattr(drafter_config, f.name)
-        if theirs != ours:
-            raise DFlashError(f"--init-drafter '{directory}' has {f.name}={theirs!r} but these flags build "
-                              f"{f.name}={ours!r}; pass matching flags (e.g. --num-layers, --target-layer-ids, "
-                              "--block-size)")
+        if theirs == ours:
+            continue
+        if f.name == "target_layer_ids" and new_layer_ids and len(theirs) == len(ours):
+            print(f"dflash train: --init-drafter read target layers {list(theirs)}; this run reads {list(ours)}")
+            continue
+        raise DFlashError(f"--init-drafter '{directory}' has {f.name}={theirs!r} but these flags build "
+                          f"{f.name}={ours!r}; pass matching flags (e.g. --num-layers, --target-layer-ids "
+                          "(other layers, as many, are allowed), --block-size)")
     return start.state_dict()
