@@ -24,8 +24,8 @@ checkpoint, so an interrupted build continues where it stopped. Stages:
               both models trained again on the mix with one budget, from drafter-more and ar-draft-more
 8d. drafter-spread, ar-spread
               both trained again on the mix with one budget, from drafter-mix and ar-draft-mix; the drafter
-              now reads target layers 1, 3, 5 instead of 1, 2, 3 (the paper's spread leaves out a target's top
-              3 layers, which is half of this 6-layer target), keeping its weights (`--target-layer-ids`)
+              now reads target layers 1, 3, 5 instead of 1, 2, 3 (the paper's spread stops at the 3rd-to-last
+              layer, so it never reads this 6-layer target's top two), keeping its weights (`--target-layer-ids`)
 
 Pairs of stages with one budget (drafter and ar-draft, 6, 8, 8c, 8d) were run side by side, one core each, as two
 builds: `dflash demo build --stages drafter-more & dflash demo build --stages ar-more`. Extensions start
@@ -317,4 +317,5 @@ def build(work: Path, stages: list[str]) -> None:
 
 
 STAGES = ["tokenizer", "target", "prompts", "drafter", "ar-draft", "drafter-extend", "ar-extend", "data-more",
-          "drafter-more", "ar-more", "data-unseen", "drafter-mix", "ar-mix", "drafter-spread", "ar-spread", "eval", "install"]
+          "drafter-more", "ar-more", "data-unseen", "drafter-mix", "ar-mix", "drafter-spread", "ar-spread", "eval",
+          "install"]
