@@ -210,3 +210,16 @@ def test_gpu_scale_script_runs_tiny(tmp_path):
     assert {f"verify_{k}" for k in (1, 4, 8, 16)} | {"draft_4", "draft_8", "draft_16", "round_16_t0"} <= set(costs)
     assert set(result["speedups"]) == {"greedy (paper average, Qwen3-8B)", "T=1 (paper average, Qwen3-8B)"}
     assert "verify_goal_<=1.15" in result["goals"] and "| at the paper's tau |" in proc.stdout
+
+
+def test_anchor_difficulty_script_runs_on_the_demo_pair():
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "anchor_difficulty.py"), "--num-prompts", "2",
+                           "--tokens", "24", "--threads", "1"], check=False, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    everywhere, visited = result["all_positions"], result["round_anchors"]
+    assert everywhere["anchors"] == 2 * 23 and visited["anchors"] == result["rounds"] <= everywhere["anchors"]
+    assert 1.0 <= result["replayed_tau"] <= 16.0
+    for part in (everywhere, visited):
+        assert abs(sum(b["share"] for b in part["by_target_p_anchor"].values()) - 1.0) < 0.01
