@@ -20,7 +20,7 @@ from dflash.params import SamplingParams
 from dflash.target import TargetModel
 from dflash.training.blocks import (
     IGNORE, block_accuracy, block_attention_mask, block_sparse_mask, default_gamma, loss_weights, make_blocks,
-    sample_anchors,
+    sample_anchors, uncertainty_weights,
 )
 from dflash.training.config import TrainConfig, TrainConfigError
 from dflash.training.data import load_samples, read_records, tokenize
@@ -106,7 +106,7 @@ def make_trainer(tmp_path, model, tokenizer, **overrides) -> Trainer:
     samples, _ = load_samples(config.data, tokenizer, config.max_length)
     drafter_config = DFlashConfig.for_target(model.config, num_layers=1, block_size=config.block_size,
                                              mask_token_id=MASK_ID, target_layer_ids=[1, 2])
-    features = OnlineFeatures(model, drafter_config.target_layer_ids, config.distill_weight > 0)
+    features = OnlineFeatures(model, drafter_config.target_layer_ids, config.needs_last_hidden)
     return Trainer(config, model, drafter_config, samples, features, tokenizer=tokenizer, pad_id=0)
 
 
@@ -160,6 +160,45 @@ def test_sample_anchors_eligible_sorted_reproducible():
     assert anchors[1, 0] == 5
     many, many_valid = sample_anchors(loss_mask, 100, torch.Generator().manual_seed(1))
     assert many[0].tolist() == [2, 3, 4, 5] and many_valid.sum() == 5
+
+
+def test_weighted_anchor_sampling():
+    """Unit weights are exactly the uniform draw; heavy weights pull anchors to their positions; weights never
+    make an ineligible position an anchor."""
+    loss_mask = torch.ones(2, 64, dtype=torch.long)
+    loss_mask[1, :40] = 0
+    uniform = sample_anchors(loss_mask, 8, torch.Generator().manual_seed(3))
+    ones = sample_anchors(loss_mask, 8, torch.Generator().manual_seed(3), torch.ones(2, 64))
+    assert torch.equal(uniform[0], ones[0]) and torch.equal(uniform[1], ones[1])
+    weights = torch.ones(2, 64)
+    weights[:, 48:56] = 50.0
+    weights[1, :40] = 1e6  # prompt positions: not eligible whatever their weight
+    generator = torch.Generator().manual_seed(0)
+    heavy = total = 0
+    for _ in range(20):
+        anchors, valid = sample_anchors(loss_mask, 8, generator, weights)
+        picked = anchors[valid]
+        assert not ((anchors[1] < 40) & valid[1]).any()
+        heavy += int(((picked >= 48) & (picked < 56)).sum())
+        total += picked.numel()
+    # uniform sampling would put about 8/63 (row 0) and 8/23 (row 1) of the picks there
+    assert heavy > 0.6 * total, (heavy, total)
+
+
+def test_uncertainty_weights_hand_checked():
+    """Position a's weight follows 1 - p(token a | before a) from the logits at a - 1, normalised to mean 1 over
+    eligible anchors; share 0 is uniform."""
+    ids = torch.tensor([[0, 1, 2, 1]])
+    loss_mask = torch.tensor([[0, 1, 1, 1]])  # eligible anchors: 1, 2
+    logits = torch.full((1, 4, 3), -1e9)
+    logits[0, 0, 1] = 0.0  # p(ids[1]) = 1: no uncertainty at anchor 1
+    logits[0, 1, :] = 0.0  # p(ids[2]) = 1/3 at anchor 2
+    logits[0, 2, :] = 0.0
+    w = uncertainty_weights(logits, ids, loss_mask, share=1.0)
+    assert w[0, 1].item() == pytest.approx(0.0, abs=1e-6) and w[0, 2].item() == pytest.approx(2.0, abs=1e-5)
+    half = uncertainty_weights(logits, ids, loss_mask, share=0.5)
+    assert half[0, 1].item() == pytest.approx(0.5, abs=1e-6) and half[0, 2].item() == pytest.approx(1.5, abs=1e-5)
+    assert torch.equal(uncertainty_weights(logits, ids, loss_mask, share=0.0), torch.ones(1, 4))
 
 
 def test_block_accuracy_counts_leading_run():
@@ -395,6 +434,22 @@ def test_training_steps_lower_the_loss(tmp_path, distill):
     assert not any(p.grad is not None for p in trainer.model.parameters())
 
 
+def test_hard_anchor_training_lowers_the_loss_and_validates(tmp_path):
+    trainer = make_trainer(tmp_path, tiny_target(), tiny_tokenizer(), hard_anchors=0.7, max_steps=50)
+    batch = trainer.batch([0, 1])
+    before = fixed_loss(trainer, batch)
+    for _ in range(8):
+        trainer.train_step([batch])
+    assert fixed_loss(trainer, batch) < before - 0.05
+    (tmp_path / "d.jsonl").write_text('{"text": "w1"}\n')
+    with pytest.raises(TrainConfigError, match="--hard-anchors"):
+        TrainConfig(target=".", data=str(tmp_path / "d.jsonl"), out_dir=str(tmp_path), hard_anchors=1.5)
+    # A checkpoint from before the setting existed ran with its default: no mismatch.
+    saved = TrainConfig(target=".", data=str(tmp_path / "d.jsonl"), out_dir=str(tmp_path)).to_dict()
+    del saved["hard_anchors"]
+    assert TrainConfig(target=".", data=str(tmp_path / "d.jsonl"), out_dir=str(tmp_path)).resume_mismatch(saved) is None
+
+
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     tok = tiny_tokenizer()
     # 8 samples, 2 per batch, 2 batches per step: 2 steps an epoch; the crash comes mid epoch 2.
@@ -504,6 +559,22 @@ def test_cli_train_offline_features_with_distillation_and_resume_guard(tmp_path,
     assert cli_main(args) == 2  # a second fresh run would overwrite the checkpoint
     assert "--resume" in capsys.readouterr().err
     assert cli_main(args + ["--resume"]) == 0  # already finished: resumes, saves, exits
+
+
+@pytest.mark.parametrize("offline", [False, True])
+def test_cli_train_hard_anchors(tmp_path, offline):
+    """--hard-anchors reads the target's predictions: online, and from a feature cache that then holds them."""
+    target_dir = tmp_path / "target"
+    tiny_target().save_pretrained(target_dir)
+    tiny_tokenizer().save_pretrained(target_dir)
+    write_data(tmp_path / "data.jsonl", 4)
+    args = ["train", "--target", str(target_dir), "--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "o"),
+            "--block-size", "4", "--target-layer-ids", "0,2", "--batch-size", "2", "--max-length", "32",
+            "--max-anchors", "4", "--device", "cpu", "--steps", "2", "--hard-anchors", "0.5"]
+    assert cli_main(args + (["--offline-features"] if offline else [])) == 0
+    assert load_drafter(tmp_path / "o").config.target_layer_ids == (0, 2)
+    if offline:
+        assert json.loads((tmp_path / "o" / "features" / "meta.json").read_text())["with_last_hidden"] is True
 
 
 def test_cli_train_without_mask_token_fails_clearly(tmp_path, capsys):

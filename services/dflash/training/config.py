@@ -24,6 +24,8 @@ class TrainConfig:
     Optimisation (paper defaults): AdamW lr 6e-4, cosine schedule, warmup_ratio 0.04, grad_clip 1.0.
     Loss: weights exp(-(k-1)/gamma) (gamma None: 7 for block 16, 5 for 10, 4 for 8);
     distill_weight in [0, 1] mixes in KL from the target's softmax.
+    hard_anchors in [0, 1]: the share of anchor sampling weighted by the target's uncertainty about the
+    anchor token (1 - its probability), the rest uniform; 0 samples uniformly (the paper).
     init_drafter: a drafter directory whose weights replace the fresh init (optimizer and schedule start
     anew); its config must equal the one these flags build, except that explicit target_layer_ids may name
     other layers (as many) than it read.
@@ -49,6 +51,7 @@ class TrainConfig:
     max_anchors: int = 512
     gamma: float | None = None
     distill_weight: float = 0.0
+    hard_anchors: float = 0.0
     offline_features: bool = False
     regenerate: bool = False
     regen_max_new_tokens: int = 256
@@ -92,6 +95,7 @@ class TrainConfig:
         _finite("weight_decay", self.weight_decay, low=0.0)
         _finite("grad_clip", self.grad_clip, low=0.0, low_open=True)
         _finite("distill_weight", self.distill_weight, low=0.0, high=1.0)
+        _finite("hard_anchors", self.hard_anchors, low=0.0, high=1.0)
         _finite("regen_temperature", self.regen_temperature, low=0.0)
         if self.gamma is not None:
             _finite("gamma", self.gamma, low=0.0, low_open=True)
@@ -111,6 +115,11 @@ class TrainConfig:
         if self.eval_prompts is not None and not Path(self.eval_prompts).is_file():
             raise TrainConfigError(f"--eval-prompts '{self.eval_prompts}' is not a file")
 
+    @property
+    def needs_last_hidden(self) -> bool:
+        """Whether steps read the target's own predictions (distillation, uncertainty-weighted anchors)."""
+        return self.distill_weight > 0 or self.hard_anchors > 0
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out["target_layer_ids"] = list(self.target_layer_ids) if self.target_layer_ids is not None else None
@@ -119,15 +128,17 @@ class TrainConfig:
     # Settings that change what a step computes; a resumed run must keep them.
     RESUME_KEYS = ("block_size", "num_layers", "num_features", "target_layer_ids", "mask_token_id", "lr",
                    "warmup_ratio", "weight_decay", "grad_clip", "batch_size", "grad_accum", "max_length",
-                   "max_anchors", "gamma", "distill_weight", "seed", "epochs", "max_steps", "init_drafter")
+                   "max_anchors", "gamma", "distill_weight", "hard_anchors", "seed", "epochs", "max_steps",
+                   "init_drafter")
 
     def resume_mismatch(self, saved: dict) -> str | None:
         """The first step-changing setting that differs from a checkpoint's, as 'name: saved -> now'."""
         now = self.to_dict()
-        names = {f.name for f in fields(self)}
+        defaults = {f.name: f.default for f in fields(self)}
         for key in self.RESUME_KEYS:
-            if key in names and saved.get(key) != now[key]:
-                return f"{key}: {saved.get(key)!r} -> {now[key]!r}"
+            # A checkpoint written before a setting existed ran with its default.
+            if key in defaults and saved.get(key, defaults[key]) != now[key]:
+                return f"{key}: {saved.get(key, defaults[key])!r} -> {now[key]!r}"
         return None
 
 

@@ -51,11 +51,11 @@ def train(config: TrainConfig) -> Path:
     layer_ids = drafter_config.target_layer_ids
     if config.offline_features:
         cache_dir = cache_features(model, samples, out_dir / "features", layer_ids,
-                                   with_last_hidden=config.distill_weight > 0, batch_size=config.batch_size,
+                                   with_last_hidden=config.needs_last_hidden, batch_size=config.batch_size,
                                    pad_id=pad_id)
         features = CachedFeatures(cache_dir, device)
     else:
-        features = OnlineFeatures(model, layer_ids, with_last_hidden=config.distill_weight > 0)
+        features = OnlineFeatures(model, layer_ids, with_last_hidden=config.needs_last_hidden)
     eval_prompts = []
     if config.eval_prompts is not None:
         eval_prompts = [prompt_ids(r, tokenizer)[-(config.max_length - 1):] for r in read_records(config.eval_prompts)]

@@ -21,7 +21,7 @@ from ..drafter.checkpoint import save_drafter
 from ..drafter.config import DFlashConfig
 from ..drafter.model import DFlashDraftModel
 from ..errors import DFlashError
-from .blocks import gamma_or_default, loss_weights, make_blocks, sample_anchors
+from .blocks import gamma_or_default, loss_weights, make_blocks, sample_anchors, uncertainty_weights
 from .config import TrainConfig
 from .data import Batch, Sample, collate, epoch_batches
 from .evaluate import EvalResult, evaluate_tau
@@ -139,7 +139,15 @@ class Trainer:
         cfg = self.config
         target = self.features(batch)
         ids, loss_mask = batch.input_ids.to(self.device), batch.loss_mask.to(self.device)
-        anchors, valid = sample_anchors(loss_mask, cfg.max_anchors, self.anchor_generator)
+        weights = None
+        if cfg.hard_anchors > 0:
+            if target.last_hidden is None:
+                raise DFlashError("--hard-anchors needs the target's last hidden state; build the features "
+                                  "with with_last_hidden=config.needs_last_hidden")
+            with torch.no_grad():
+                logits = self.lm_head(target.last_hidden.to(self.lm_head.weight.dtype))
+                weights = uncertainty_weights(logits, ids, loss_mask, cfg.hard_anchors)
+        anchors, valid = sample_anchors(loss_mask, cfg.max_anchors, self.anchor_generator, weights)
         blocks = make_blocks(ids, loss_mask, anchors, valid, cfg.block_size, self.drafter.config.mask_token_id,
                              sparse_mask=self.sparse_mask)
         batch_size, seq_len = ids.shape
