@@ -19,6 +19,7 @@ import json
 import torch
 from dflash.defaults import DEMO_AR_DRAFT, DEMO_DRAFTER, DEMO_TARGET
 from dflash.demo import corpus
+from dflash.demo.build import NUM_EVAL_PROMPTS, SEED
 from dflash.drafter.checkpoint import load_drafter
 from dflash.loading import load_target
 from dflash.training.blocks import make_blocks
@@ -35,7 +36,8 @@ def main() -> None:
     p.add_argument("--drafter", default=str(DEMO_DRAFTER))
     p.add_argument("--ar-draft", default=str(DEMO_AR_DRAFT))
     p.add_argument("--prompts", help="JSONL of prompts (default: the demo's held-out stdlib prompts)")
-    p.add_argument("--num-prompts", type=int, default=24, help="the first N prompts (default 24, as the demo eval)")
+    p.add_argument("--num-prompts", type=int, default=NUM_EVAL_PROMPTS,
+                   help=f"the first N prompts (default {NUM_EVAL_PROMPTS}, as the demo eval)")
     p.add_argument("--tokens", type=int, default=96, help="greedy tokens per prompt (default 96, as the "
                    "trainer's held-out tau)")
     p.add_argument("--threads", type=int, default=2)
@@ -48,7 +50,7 @@ def main() -> None:
     if args.prompts:
         prompts = [prompt_ids(r, tok) for r in read_records(args.prompts)]
     else:
-        prompts = [tok.encode(t) for t in corpus.heldout_prompts(args.num_prompts, seed=0)]
+        prompts = [tok.encode(t) for t in corpus.heldout_prompts(args.num_prompts, seed=SEED)]
     prompts = prompts[:args.num_prompts]
     block, layer_ids = drafter.config.block_size, drafter.config.target_layer_ids
 
