@@ -80,6 +80,20 @@ def test_unseen_split_is_stdlib_code_the_target_never_trained_on():
     assert len(set(prompts)) == 5 and prompts == corpus.unseen_prompts(5, 200, seed=1)
 
 
+def test_line_prompts_start_at_new_mid_file_lines():
+    """data-fresh's prompts: distinct, full length, each at a non-blank line start that no definition-start
+    prompt (cut_prompts, every earlier drafter stage's data) can begin at; deterministic per seed."""
+    texts = ["import os\n\ndef f(x):\n    y = x + 1\n    return y\n\n\nclass C:\n    z = f(2)\n" * 3,
+             "    async def g():\n        await h()\n# comment line\nvalue = [1, 2, 3]\n" * 3]
+    prompts = corpus.line_prompts(texts, 6, 30, seed=3)
+    assert len(prompts) == len(set(prompts)) == 6 and prompts == corpus.line_prompts(texts, 6, 30, seed=3)
+    definitions = set(corpus.cut_prompts(texts, 100, 30, seed=0))
+    for p in prompts:
+        assert len(p) == 30 and p.split("\n")[0].strip() and p not in definitions
+        assert not p.lstrip().startswith(("def ", "class ", "async def "))
+        assert any(t.startswith(p) or ("\n" + p) in t for t in texts)
+
+
 def test_tokenizer_round_trip_and_mask(tok_dir):
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     ids = tok.encode(SAMPLE, add_special_tokens=False)

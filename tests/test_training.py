@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -20,7 +21,7 @@ from dflash.params import SamplingParams
 from dflash.target import TargetModel
 from dflash.training.blocks import (
     IGNORE, block_accuracy, block_attention_mask, block_sparse_mask, default_gamma, loss_weights, make_blocks,
-    sample_anchors, uncertainty_weights,
+    miss_weights, sample_anchors, uncertainty_weights,
 )
 from dflash.training.config import TrainConfig, TrainConfigError
 from dflash.training.data import load_samples, read_records, tokenize
@@ -199,6 +200,28 @@ def test_uncertainty_weights_hand_checked():
     half = uncertainty_weights(logits, ids, loss_mask, share=0.5)
     assert half[0, 1].item() == pytest.approx(0.5, abs=1e-6) and half[0, 2].item() == pytest.approx(1.5, abs=1e-5)
     assert torch.equal(uncertainty_weights(logits, ids, loss_mask, share=0.0), torch.ones(1, 4))
+
+
+def test_miss_weights_hand_checked():
+    """A probe block sends the next round to its first wrong slot, or past a fully right block; a block that
+    runs off the response sends it nowhere; weights have mean 1 over eligible anchors; no start is uniform."""
+    # 12 tokens, response from 2; eligible anchors 2..10. Block size 4, probes at 2, 5 and 8.
+    loss_mask = torch.tensor([[0, 0] + [1] * 10, [0, 0] + [1] * 10])
+    anchors = torch.tensor([[2, 5, 8], [2, 5, 8]])
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    labels = torch.tensor([[[IGNORE, 13, 14, 15], [IGNORE, 16, 17, 18], [IGNORE, 19, 20, 21]]] * 2)
+    predictions = labels.clone()
+    predictions[0, 0, 2] = 0  # probe 2: slot 1 right, slot 2 wrong -> next round at 4
+    # probe 5: all right -> the bonus token at 9
+    labels[0, 2, 3] = IGNORE  # probe 8: slots 1, 2 right, slot 3 past the response -> nowhere
+    predictions[1] = 0  # row 1: probes 2 and 5 miss at slot 1 (3 and 6); probe 8 is padding
+    w = miss_weights(predictions, labels, anchors, valid, loss_mask, share=1.0)
+    assert w[0].nonzero().flatten().tolist() == [4, 9] and w[0, 4].item() == pytest.approx(9 / 2)
+    assert w[1].nonzero().flatten().tolist() == [3, 6]
+    half = miss_weights(predictions, labels, anchors, valid, loss_mask, share=0.5)
+    assert half[0, 4].item() == pytest.approx(0.5 + 0.5 * 9 / 2) and half[0, 5].item() == pytest.approx(0.5)
+    none = miss_weights(predictions, labels, anchors, torch.zeros_like(valid), loss_mask, share=1.0)
+    assert torch.equal(none, torch.ones(2, 12))
 
 
 def test_block_accuracy_counts_leading_run():
@@ -450,10 +473,34 @@ def test_hard_anchor_training_lowers_the_loss_and_validates(tmp_path):
     assert TrainConfig(target=".", data=str(tmp_path / "d.jsonl"), out_dir=str(tmp_path)).resume_mismatch(saved) is None
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+def test_miss_anchor_training_lowers_the_loss_and_validates(tmp_path):
+    """--miss-anchors: steps still lower the loss measured at uniform anchors, and the probe pass leaves no
+    gradient behind; the share is validated."""
+    trainer = make_trainer(tmp_path, tiny_target(), tiny_tokenizer(), miss_anchors=1.0, max_steps=50)
+    batch = trainer.batch([0, 1])
+    uniform = dataclasses.replace(trainer.config, miss_anchors=0.0)
+
+    def loss_at_uniform_anchors() -> float:
+        trainer.config, probing = uniform, trainer.config
+        try:
+            return fixed_loss(trainer, batch)
+        finally:
+            trainer.config = probing
+
+    before = loss_at_uniform_anchors()
+    for _ in range(8):
+        trainer.train_step([batch])
+    assert loss_at_uniform_anchors() < before - 0.05
+    (tmp_path / "d.jsonl").write_text('{"text": "w1"}\n')
+    with pytest.raises(TrainConfigError, match="--miss-anchors"):
+        TrainConfig(target=".", data=str(tmp_path / "d.jsonl"), out_dir=str(tmp_path), miss_anchors=-0.1)
+
+
+@pytest.mark.parametrize("miss_anchors", [0.0, 0.5])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, miss_anchors):
     tok = tiny_tokenizer()
     # 8 samples, 2 per batch, 2 batches per step: 2 steps an epoch; the crash comes mid epoch 2.
-    run = dict(epochs=3, max_steps=5, grad_accum=2, save_every=1)
+    run = dict(epochs=3, max_steps=5, grad_accum=2, save_every=1, miss_anchors=miss_anchors)
     straight = make_trainer(tmp_path, tiny_target(), tok, out_dir=str(tmp_path / "a"), **run)
     straight.fit()
 
@@ -561,19 +608,22 @@ def test_cli_train_offline_features_with_distillation_and_resume_guard(tmp_path,
     assert cli_main(args + ["--resume"]) == 0  # already finished: resumes, saves, exits
 
 
-@pytest.mark.parametrize("offline", [False, True])
-def test_cli_train_hard_anchors(tmp_path, offline):
-    """--hard-anchors reads the target's predictions: online, and from a feature cache that then holds them."""
+@pytest.mark.parametrize("offline,flags", [(False, ["--hard-anchors", "0.5"]), (True, ["--hard-anchors", "0.5"]),
+                                           (False, ["--miss-anchors", "0.5"]),
+                                           (True, ["--miss-anchors", "0.5", "--hard-anchors", "0.5"])])
+def test_cli_train_weighted_anchors(tmp_path, offline, flags):
+    """--hard-anchors reads the target's predictions: online, and from a feature cache that then holds them;
+    --miss-anchors probes the drafter, alone or together with --hard-anchors."""
     target_dir = tmp_path / "target"
     tiny_target().save_pretrained(target_dir)
     tiny_tokenizer().save_pretrained(target_dir)
     write_data(tmp_path / "data.jsonl", 4)
     args = ["train", "--target", str(target_dir), "--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "o"),
             "--block-size", "4", "--target-layer-ids", "0,2", "--batch-size", "2", "--max-length", "32",
-            "--max-anchors", "4", "--device", "cpu", "--steps", "2", "--hard-anchors", "0.5"]
+            "--max-anchors", "4", "--device", "cpu", "--steps", "2"] + flags
     assert cli_main(args + (["--offline-features"] if offline else [])) == 0
     assert load_drafter(tmp_path / "o").config.target_layer_ids == (0, 2)
-    if offline:
+    if offline and "--hard-anchors" in flags:
         assert json.loads((tmp_path / "o" / "features" / "meta.json").read_text())["with_last_hidden"] is True
 
 
@@ -611,12 +661,40 @@ def test_cli_train_init_drafter_starts_from_its_weights(tmp_path, capsys):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
     capsys.readouterr()
-    rc = cli_main(common + ["--out", str(tmp_path / "bad"), "--init-drafter", str(first), "--num-layers", "2"])
+    rc = cli_main(common + ["--out", str(tmp_path / "bad"), "--init-drafter", str(first), "--block-size", "8"])
     assert rc == 2
-    assert "num_hidden_layers=1" in capsys.readouterr().err
+    assert "block_size=4" in capsys.readouterr().err
     rc = cli_main(common + ["--out", str(tmp_path / "bad2"), "--init-drafter", str(tmp_path / "nowhere")])
     assert rc == 2
     assert "--init-drafter" in capsys.readouterr().err
+
+
+def test_cli_train_init_drafter_grows_more_layers(tmp_path, capsys):
+    """More --num-layers than the --init-drafter has: the new top layers start as no-ops, so the grown drafter
+    drafts exactly what the smaller one did; fewer layers are refused by name."""
+    target_dir = tmp_path / "target"
+    tiny_target().save_pretrained(target_dir)
+    tiny_tokenizer().save_pretrained(target_dir)
+    write_data(tmp_path / "data.jsonl", 8)
+    common = ["train", "--target", str(target_dir), "--data", str(tmp_path / "data.jsonl"), "--block-size", "4",
+              "--target-layer-ids", "0,2", "--batch-size", "2", "--max-length", "32", "--max-anchors", "4",
+              "--device", "cpu", "--steps", "1"]
+    small = tmp_path / "small"
+    assert cli_main(common + ["--out", str(small), "--num-layers", "2", "--lr", "3e-3"]) == 0
+    grown = tmp_path / "grown"
+    assert cli_main(common + ["--out", str(grown), "--num-layers", "4", "--lr", "1e-12",
+                              "--init-drafter", str(small)]) == 0
+    assert "layers 2..3 start as copies" in capsys.readouterr().out
+    a, b = load_drafter(small, dtype=torch.float32), load_drafter(grown, dtype=torch.float32)
+    assert b.config.num_hidden_layers == 4
+    torch.manual_seed(0)
+    noise, context = torch.randn(1, 4, 32), torch.randn(1, 6, 64)
+    positions = torch.arange(10)[None]
+    with torch.no_grad():
+        assert torch.allclose(a(noise, context, positions), b(noise, context, positions), atol=1e-5)
+    rc = cli_main(common + ["--out", str(tmp_path / "bad"), "--num-layers", "1", "--init-drafter", str(small)])
+    assert rc == 2
+    assert "num_hidden_layers=2" in capsys.readouterr().err
 
 
 def test_cli_train_init_drafter_may_read_other_target_layers(tmp_path, capsys):

@@ -45,6 +45,10 @@ def register(sub) -> None:
     o.add_argument("--hard-anchors", type=float, default=0.0,
                    help="share in [0, 1] of anchor sampling weighted by the target's uncertainty about the anchor "
                         "token, where decoding rounds start (default 0: uniform, as the paper)")
+    o.add_argument("--miss-anchors", type=float, default=0.0,
+                   help="share in [0, 1] of anchor sampling on the positions where the drafter's own next round "
+                        "would start, right after its misses; costs one no-grad drafter pass per micro-batch "
+                        "(default 0: uniform, as the paper)")
     o.add_argument("--amp", default="auto", choices=("auto", "bf16", "off"), help="bf16 autocast (auto: CUDA, or CPUs with AMX)")
     o.add_argument("--attention", default="dense", choices=("dense", "sparse"),
                    help="block mask: dense (default) or sparse = compiled flex attention, whose attention cost "
@@ -78,7 +82,7 @@ def config_from_args(args: argparse.Namespace):
         mask_token_id=args.mask_token_id, epochs=args.epochs, max_steps=args.steps, lr=args.lr,
         batch_size=args.batch_size, grad_accum=args.grad_accum, max_length=args.max_length,
         max_anchors=args.max_anchors, gamma=args.gamma, distill_weight=args.distill_weight,
-        hard_anchors=args.hard_anchors,
+        hard_anchors=args.hard_anchors, miss_anchors=args.miss_anchors,
         offline_features=args.offline_features, regenerate=args.regenerate,
         regen_max_new_tokens=args.regen_max_new_tokens, regen_temperature=args.regen_temperature,
         regen_batch_size=args.regen_batch_size, eval_prompts=args.eval_prompts,

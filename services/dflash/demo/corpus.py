@@ -145,6 +145,35 @@ def cut_prompts(texts: list[str], n: int, prompt_chars: int, seed: int) -> list[
     return prompts
 
 
+def line_prompts(texts: list[str], n: int, prompt_chars: int, seed: int) -> list[str]:
+    """Cut ``n`` distinct prompts of ``prompt_chars`` characters from ``texts``, each beginning at a
+    non-blank line that is NOT a ``def``/``class`` statement (those are :func:`cut_prompts`'), so the
+    prompts and the text the target writes after them are new next to the definition-start ones."""
+    candidates = []
+    for i, text in enumerate(texts):
+        definitions = set(_definition_starts(text))
+        start = 0
+        while start + prompt_chars <= len(text):
+            end = text.find("\n", start)
+            if text[start:end if end >= 0 else len(text)].strip() and start not in definitions:
+                candidates.append((i, start))
+            if end < 0:
+                break
+            start = end + 1
+    rng = random.Random(seed)
+    rng.shuffle(candidates)
+    prompts: list[str] = []
+    seen: set[str] = set()
+    for i, start in candidates:
+        prompt = texts[i][start : start + prompt_chars]
+        if prompt not in seen:
+            seen.add(prompt)
+            prompts.append(prompt)
+        if len(prompts) == n:
+            break
+    return prompts
+
+
 def heldout_prompts(n: int = 64, prompt_chars: int = 300, seed: int = 0) -> list[str]:
     """Return ``n`` deterministic prompts cut from the held-out modules."""
     return cut_prompts(load_texts("heldout"), n, prompt_chars, seed)
@@ -153,6 +182,12 @@ def heldout_prompts(n: int = 64, prompt_chars: int = 300, seed: int = 0) -> list
 def training_prompts(n: int, prompt_chars: int = 300, seed: int = 0) -> list[str]:
     """Return ``n`` deterministic prompts cut from the training files."""
     return cut_prompts(load_texts("train"), n, prompt_chars, seed)
+
+
+def fresh_prompts(n: int, prompt_chars: int = 300, seed: int = 0) -> list[str]:
+    """Return ``n`` deterministic prompts from mid-file lines of the training and unseen files: text no
+    drafter stage before data-fresh was trained on (theirs all begin at definitions)."""
+    return line_prompts(load_texts("train") + load_texts("unseen"), n, prompt_chars, seed)
 
 
 def unseen_prompts(n: int, prompt_chars: int = 300, seed: int = 0) -> list[str]:

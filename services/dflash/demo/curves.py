@@ -18,10 +18,12 @@ RUNS = {
     "drafter": (("drafter", None, ""), ("drafter-extended", "drafter", " (extension)"),
                 ("drafter-more", "drafter-extended", " (more data)"),
                 ("drafter-mix", "drafter-more", " (+ unseen-file data)"),
-                ("drafter-spread", "drafter-mix", " (target layers 1, 3, 5)")),
+                ("drafter-spread", "drafter-mix", " (target layers 1, 3, 5)"),
+                ("drafter-fresh", "drafter-spread", " (fresh mid-file data)")),
     "ar": (("ar-draft", None, ""), ("ar-draft-extended", "ar-draft", " (extension)"),
            ("ar-draft-more", "ar-draft", " (more data)"), ("ar-draft-mix", "ar-draft-more", " (+ unseen-file data)"),
-           ("ar-draft-spread", "ar-draft-mix", " (one more round)")),
+           ("ar-draft-spread", "ar-draft-mix", " (one more round)"),
+           ("ar-draft-fresh", "ar-draft-mix", " (fresh mid-file data)")),
 }
 
 

@@ -94,12 +94,13 @@ def sample_anchors(
     eligible = eligible_anchors(loss_mask)
     scores = torch.rand(eligible.shape, generator=generator, device=generator.device).to(loss_mask.device)
     if weights is not None:
-        scores = scores.pow(1.0 / weights.to(scores.device).float().clamp(min=1e-6))
-    scores = scores.masked_fill(~eligible, -1.0)
+        # log(u) / w orders as u ** (1 / w) does, without underflow when w is tiny
+        scores = scores.clamp(min=1e-30).log() / weights.to(scores.device).float().clamp(min=1e-6)
+    scores = scores.masked_fill(~eligible, -math.inf)
     num = int(min(max_anchors, int(eligible.sum(dim=1).max().item()) if eligible.numel() else 0))
     num = max(num, 1)  # keep shapes non-empty; a row with nothing eligible gets one invalid anchor
     top, idx = scores.topk(num, dim=1)
-    valid = top >= 0
+    valid = top > -math.inf
     anchors = torch.where(valid, idx, torch.full_like(idx, torch.iinfo(torch.long).max))
     anchors, order = anchors.sort(dim=1)
     valid = valid.gather(1, order)
@@ -218,3 +219,31 @@ def uncertainty_weights(target_logits: torch.Tensor, input_ids: torch.Tensor, lo
     eligible = eligible_anchors(loss_mask)
     mean = (difficulty * eligible).sum(1, keepdim=True) / eligible.sum(1, keepdim=True).clamp(min=1)
     return (1.0 - share) + share * difficulty / mean.clamp(min=1e-6)
+
+
+def miss_weights(predictions: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
+                 loss_mask: torch.Tensor, share: float) -> torch.Tensor:
+    """Anchor weights [B, S]: a `share` of the sampling on the positions where the drafter's OWN next
+    greedy round would start after drafting from probe anchors, the rest uniform.
+
+    predictions, labels: [B, A, Bs] the drafter's argmax and the block labels at probe `anchors` [B, A]
+    (valid [B, A]). A probe block accepted up to slot k-1 sends the next round to a + k: the token the
+    drafter got wrong there, or the bonus token a + Bs after a fully accepted block. A block that runs past
+    the response sends it nowhere. These are the anchors decoding visits, where the drafter is worst
+    (benchmarks/anchor_difficulty.py: slot-1 accuracy 0.60 there against 0.78 at a random position).
+    """
+    batch, seq_len = loss_mask.shape
+    block_size = labels.shape[-1]
+    labelled = labels != IGNORE
+    run = ((predictions == labels) & labelled)[..., 1:].int().cumprod(dim=-1).sum(dim=-1)
+    k = run + 1  # [B, A] the slot where the next round starts
+    missed = labelled.gather(-1, k.clamp(max=block_size - 1)[..., None])[..., 0] & (k < block_size)
+    starts = valid & (missed | (k == block_size))
+    hits = torch.zeros(batch, seq_len, dtype=torch.bool, device=loss_mask.device)
+    hits[torch.arange(batch, device=hits.device)[:, None].expand_as(k)[starts], (anchors + k)[starts].clamp(
+        max=seq_len - 1)] = True
+    eligible = eligible_anchors(loss_mask)
+    hits &= eligible
+    share_of_hits = hits.sum(1, keepdim=True) / eligible.sum(1, keepdim=True).clamp(min=1)
+    weights = (1.0 - share) + share * hits.float() / share_of_hits.clamp(min=1e-6)
+    return torch.where(hits.any(1, keepdim=True), weights, torch.ones_like(weights))  # no start: uniform

@@ -26,6 +26,8 @@ class TrainConfig:
     distill_weight in [0, 1] mixes in KL from the target's softmax.
     hard_anchors in [0, 1]: the share of anchor sampling weighted by the target's uncertainty about the
     anchor token (1 - its probability), the rest uniform; 0 samples uniformly (the paper).
+    miss_anchors in [0, 1]: the share of anchor sampling on the positions where the drafter's own next
+    greedy round would start (found by one no-grad drafter pass at uniform probe anchors per step).
     init_drafter: a drafter directory whose weights replace the fresh init (optimizer and schedule start
     anew); its config must equal the one these flags build, except that explicit target_layer_ids may name
     other layers (as many) than it read.
@@ -52,6 +54,7 @@ class TrainConfig:
     gamma: float | None = None
     distill_weight: float = 0.0
     hard_anchors: float = 0.0
+    miss_anchors: float = 0.0
     offline_features: bool = False
     regenerate: bool = False
     regen_max_new_tokens: int = 256
@@ -96,6 +99,7 @@ class TrainConfig:
         _finite("grad_clip", self.grad_clip, low=0.0, low_open=True)
         _finite("distill_weight", self.distill_weight, low=0.0, high=1.0)
         _finite("hard_anchors", self.hard_anchors, low=0.0, high=1.0)
+        _finite("miss_anchors", self.miss_anchors, low=0.0, high=1.0)
         _finite("regen_temperature", self.regen_temperature, low=0.0)
         if self.gamma is not None:
             _finite("gamma", self.gamma, low=0.0, low_open=True)
@@ -128,8 +132,8 @@ class TrainConfig:
     # Settings that change what a step computes; a resumed run must keep them.
     RESUME_KEYS = ("block_size", "num_layers", "num_features", "target_layer_ids", "mask_token_id", "lr",
                    "warmup_ratio", "weight_decay", "grad_clip", "batch_size", "grad_accum", "max_length",
-                   "max_anchors", "gamma", "distill_weight", "hard_anchors", "seed", "epochs", "max_steps",
-                   "init_drafter")
+                   "max_anchors", "gamma", "distill_weight", "hard_anchors", "miss_anchors", "seed", "epochs",
+                   "max_steps", "init_drafter")
 
     def resume_mismatch(self, saved: dict) -> str | None:
         """The first step-changing setting that differs from a checkpoint's, as 'name: saved -> now'."""

@@ -101,8 +101,13 @@ def initial_weights(directory: str, drafter_config: DFlashConfig, *,
     """The float32 weights of the drafter in `directory`, which must have the shape the flags build.
 
     With `new_layer_ids` (ids given explicitly) the drafter may have read other target layers, as many as
-    these: its weights keep their shapes and training re-learns what the feature projection means."""
+    these: its weights keep their shapes and training re-learns what the feature projection means.
+    With more --num-layers than it has, it grows: the new layers go on top as copies of its last layer
+    whose output projections (o_proj, down_proj) are zero, so the grown drafter starts out drafting
+    exactly what the smaller one did."""
     start = load_drafter(directory, dtype=torch.float32)
+    theirs_layers, ours_layers = start.config.num_hidden_layers, drafter_config.num_hidden_layers
+    grows = ours_layers > theirs_layers
     for f in dataclasses.fields(DFlashConfig):
         if not f.compare:
             continue
@@ -112,7 +117,20 @@ def initial_weights(directory: str, drafter_config: DFlashConfig, *,
         if f.name == "target_layer_ids" and new_layer_ids and len(theirs) == len(ours):
             print(f"dflash train: --init-drafter read target layers {list(theirs)}; this run reads {list(ours)}")
             continue
+        if grows and (f.name == "num_hidden_layers" or (f.name == "layer_types" and ours[:len(theirs)] == theirs)):
+            continue
         raise DFlashError(f"--init-drafter '{directory}' has {f.name}={theirs!r} but these flags build "
-                          f"{f.name}={ours!r}; pass matching flags (e.g. --num-layers, --target-layer-ids "
-                          "(other layers, as many, are allowed), --block-size)")
-    return start.state_dict()
+                          f"{f.name}={ours!r}; pass matching flags (e.g. --num-layers (more layers grow it), "
+                          "--target-layer-ids (other layers, as many, are allowed), --block-size)")
+    weights = start.state_dict()
+    if grows:
+        print(f"dflash train: --init-drafter has {theirs_layers} layers; layers {theirs_layers}..{ours_layers - 1} "
+              "start as copies of its last layer with zero output projections")
+        top = f"layers.{theirs_layers - 1}."
+        for layer in range(theirs_layers, ours_layers):
+            for key in [k for k in weights if k.startswith(top)]:
+                copy = weights[key].clone()
+                if key.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+                    copy.zero_()
+                weights[f"layers.{layer}." + key[len(top):]] = copy
+    return weights

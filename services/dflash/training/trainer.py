@@ -21,7 +21,8 @@ from ..drafter.checkpoint import save_drafter
 from ..drafter.config import DFlashConfig
 from ..drafter.model import DFlashDraftModel
 from ..errors import DFlashError
-from .blocks import gamma_or_default, loss_weights, make_blocks, sample_anchors, uncertainty_weights
+from .blocks import (Blocks, gamma_or_default, loss_weights, make_blocks, miss_weights, sample_anchors,
+                     uncertainty_weights)
 from .config import TrainConfig
 from .data import Batch, Sample, collate, epoch_batches
 from .evaluate import EvalResult, evaluate_tau
@@ -147,22 +148,43 @@ class Trainer:
             with torch.no_grad():
                 logits = self.lm_head(target.last_hidden.to(self.lm_head.weight.dtype))
                 weights = uncertainty_weights(logits, ids, loss_mask, cfg.hard_anchors)
+        if cfg.miss_anchors > 0:
+            misses = self.probe_misses(ids, loss_mask, target.features)
+            weights = misses if weights is None else weights * misses
         anchors, valid = sample_anchors(loss_mask, cfg.max_anchors, self.anchor_generator, weights)
-        blocks = make_blocks(ids, loss_mask, anchors, valid, cfg.block_size, self.drafter.config.mask_token_id,
-                             sparse_mask=self.sparse_mask)
+        teacher = None
+        if cfg.distill_weight > 0:
+            teacher = target.last_hidden
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            hidden, blocks = self.draft(ids, loss_mask, target.features, anchors, valid)
+        if teacher is not None:
+            flat = blocks.teacher_positions.view(ids.shape[0], -1)
+            teacher = teacher.gather(1, flat[..., None].expand(-1, -1, teacher.shape[-1]))
+            teacher = teacher.view(*blocks.labels.shape, -1)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            return block_loss(hidden, self.lm_head, blocks.labels, self.weights, teacher, cfg.distill_weight)
+
+    def draft(self, ids: torch.Tensor, loss_mask: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
+              valid: torch.Tensor) -> tuple[torch.Tensor, Blocks]:
+        """The drafter's hidden states [B, A*Bs, H] for blocks at `anchors`, and those blocks."""
+        blocks = make_blocks(ids, loss_mask, anchors, valid, self.config.block_size,
+                             self.drafter.config.mask_token_id, sparse_mask=self.sparse_mask)
         batch_size, seq_len = ids.shape
         context_positions = torch.arange(seq_len, device=self.device).expand(batch_size, -1)
         positions = torch.cat([context_positions, blocks.positions], dim=1)
-        teacher = None
-        if cfg.distill_weight > 0:
-            flat = blocks.teacher_positions.view(batch_size, -1)
-            teacher = target.last_hidden.gather(1, flat[..., None].expand(-1, -1, target.last_hidden.shape[-1]))
-            teacher = teacher.view(*blocks.labels.shape, -1)
         with torch.no_grad():
             noise = self.embed_tokens(blocks.token_ids).float()
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-            hidden = self.drafter(noise, target.features.float(), positions, attention_mask=blocks.attention_mask)
-            return block_loss(hidden, self.lm_head, blocks.labels, self.weights, teacher, cfg.distill_weight)
+        hidden = self.drafter(noise, features.float(), positions, attention_mask=blocks.attention_mask)
+        return hidden, blocks
+
+    def probe_misses(self, ids: torch.Tensor, loss_mask: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Anchor weights from one no-grad drafter pass at uniform probe anchors: where its own next
+        rounds would start (`miss_weights`). Draws its probes from the anchor generator, so it resumes."""
+        anchors, valid = sample_anchors(loss_mask, self.config.max_anchors, self.anchor_generator)
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            hidden, blocks = self.draft(ids, loss_mask, features, anchors, valid)
+            predictions = self.lm_head(hidden).argmax(-1).view_as(blocks.labels)
+        return miss_weights(predictions, blocks.labels, anchors, valid, loss_mask, self.config.miss_anchors)
 
     def train_step(self, batches: list[Batch], meter: Meter | None = None) -> float:
         """One optimizer step over micro-batches (gradient accumulation); returns the mean loss."""
