@@ -152,16 +152,13 @@ class Trainer:
             misses = self.probe_misses(ids, loss_mask, target.features)
             weights = misses if weights is None else weights * misses
         anchors, valid = sample_anchors(loss_mask, cfg.max_anchors, self.anchor_generator, weights)
-        teacher = None
-        if cfg.distill_weight > 0:
-            teacher = target.last_hidden
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             hidden, blocks = self.draft(ids, loss_mask, target.features, anchors, valid)
-        if teacher is not None:
-            flat = blocks.teacher_positions.view(ids.shape[0], -1)
-            teacher = teacher.gather(1, flat[..., None].expand(-1, -1, teacher.shape[-1]))
-            teacher = teacher.view(*blocks.labels.shape, -1)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            teacher = None
+            if cfg.distill_weight > 0:
+                flat = blocks.teacher_positions.view(ids.shape[0], -1)
+                last = target.last_hidden
+                teacher = last.gather(1, flat[..., None].expand(-1, -1, last.shape[-1])).view(*blocks.labels.shape, -1)
             return block_loss(hidden, self.lm_head, blocks.labels, self.weights, teacher, cfg.distill_weight)
 
     def draft(self, ids: torch.Tensor, loss_mask: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
