@@ -1,13 +1,15 @@
-"""Fast checks of the demo target's tokenizer and resumable pretraining loop."""
+"""Fast checks of the demo corpus, tokenizer, resumable pretraining loop and build stages."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from dflash.demo import corpus
+from dflash.demo.build import AR_LINEAGE, DRAFTER_LINEAGE, stage_commands
 from dflash.errors import CheckpointError
 from dflash.demo.pretrain import TrainConfig, demo_model_config, train_lm
 from dflash.demo.tokenizer import MASK_TOKEN, build_tokenizer
@@ -171,3 +173,19 @@ def test_build_keeps_each_models_best_run_by_its_own_validation_measure(tmp_path
     (tmp_path / "drafter-more" / "model.safetensors").write_bytes(b"")
     (tmp_path / "ar-draft-more" / "metrics.json").write_text(json.dumps({"heldout_loss": 4.0}))
     assert final_dirs(tmp_path) == (tmp_path / "drafter-more", tmp_path / "ar-draft-more" / "final")
+
+
+def test_build_lineage_is_what_the_stages_run(tmp_path):
+    """The curves and the selection read DRAFTER_LINEAGE / AR_LINEAGE: every run there is a stage's --out, and
+    starts from the weights of the parent the lineage names."""
+    outputs = {}
+    for cmd in stage_commands(tmp_path).values():
+        if "--out" in cmd:
+            outputs[Path(cmd[cmd.index("--out") + 1]).name] = cmd
+    for run, parent, _ in DRAFTER_LINEAGE + AR_LINEAGE:
+        cmd = outputs[run]
+        flags = [f for f in ("--init-drafter", "--init-from") if f in cmd]
+        if parent is None:
+            assert not flags, run
+        else:
+            assert Path(cmd[cmd.index(flags[0]) + 1]).relative_to(tmp_path).parts[0] == parent, run

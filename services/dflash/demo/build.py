@@ -151,10 +151,20 @@ def _ar_draft_from(work: Path, data: str, out: str, *, steps: int, seed: int, in
     ]
 
 
-DRAFTER_RUNS = ("drafter", "drafter-extended", "drafter-more", "drafter-mix", "drafter-spread", "drafter-fresh")
+# Each model's runs in build order: (run directory, the run whose weights it starts from, what is new).
+DRAFTER_LINEAGE = (("drafter", None, ""), ("drafter-extended", "drafter", "extension"),
+                   ("drafter-more", "drafter-extended", "more data"),
+                   ("drafter-mix", "drafter-more", "+ unseen-file data"),
+                   ("drafter-spread", "drafter-mix", "target layers 1, 3, 5"),
+                   ("drafter-fresh", "drafter-spread", "fresh mid-file data"))
+AR_LINEAGE = (("ar-draft", None, ""), ("ar-draft-extended", "ar-draft", "extension"),
+              ("ar-draft-more", "ar-draft", "more data"), ("ar-draft-mix", "ar-draft-more", "+ unseen-file data"),
+              ("ar-draft-spread", "ar-draft-mix", "one more round"),
+              ("ar-draft-fresh", "ar-draft-mix", "fresh mid-file data"))
+DRAFTER_RUNS = tuple(run for run, _, _ in DRAFTER_LINEAGE)
 DRAFTER_STAGE_OUT = {"drafter": "drafter", "drafter-extend": "drafter-extended", "drafter-more": "drafter-more",
                      "drafter-mix": "drafter-mix", "drafter-spread": "drafter-spread", "drafter-fresh": "drafter-fresh"}
-AR_RUNS = ("ar-draft", "ar-draft-extended", "ar-draft-more", "ar-draft-mix", "ar-draft-spread", "ar-draft-fresh")
+AR_RUNS = tuple(run for run, _, _ in AR_LINEAGE)
 NUM_UNSEEN_PROMPTS = 6000
 NUM_FRESH_PROMPTS = 12000
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .build import AR_LINEAGE, DRAFTER_LINEAGE
+
 
 def _read(path: Path) -> list[dict]:
     if not path.is_file():
@@ -12,19 +14,12 @@ def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-# (run directory, the run it starts from, legend suffix) per panel, parents first
-RUNS = {
-    "target": (("target", None, ""),),
-    "drafter": (("drafter", None, ""), ("drafter-extended", "drafter", " (extension)"),
-                ("drafter-more", "drafter-extended", " (more data)"),
-                ("drafter-mix", "drafter-more", " (+ unseen-file data)"),
-                ("drafter-spread", "drafter-mix", " (target layers 1, 3, 5)"),
-                ("drafter-fresh", "drafter-spread", " (fresh mid-file data)")),
-    "ar": (("ar-draft", None, ""), ("ar-draft-extended", "ar-draft", " (extension)"),
-           ("ar-draft-more", "ar-draft", " (more data)"), ("ar-draft-mix", "ar-draft-more", " (+ unseen-file data)"),
-           ("ar-draft-spread", "ar-draft-mix", " (one more round)"),
-           ("ar-draft-fresh", "ar-draft-mix", " (fresh mid-file data)")),
-}
+def _runs(lineage) -> tuple[tuple[str, str | None, str], ...]:
+    """(run directory, the run it starts from, legend suffix) per run, parents first."""
+    return tuple((run, parent, f" ({what})" if what else "") for run, parent, what in lineage)
+
+
+RUNS = {"target": (("target", None, ""),), "drafter": _runs(DRAFTER_LINEAGE), "ar": _runs(AR_LINEAGE)}
 
 
 def plot_curves(work: Path, out: Path) -> Path:
