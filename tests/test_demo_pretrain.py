@@ -180,8 +180,10 @@ def test_build_lineage_is_what_the_stages_run(tmp_path):
     starts from the weights of the parent the lineage names."""
     outputs = {}
     for cmd in stage_commands(tmp_path).values():
-        if "--out" in cmd:
+        if "train" in cmd or "dflash.demo.pretrain" in cmd:
             outputs[Path(cmd[cmd.index("--out") + 1]).name] = cmd
+    # ... and every model a stage trains (but the target) is in a lineage, so the selection sees it
+    assert set(outputs) - {"target"} == {run for run, _, _ in DRAFTER_LINEAGE + AR_LINEAGE}
     for run, parent, _ in DRAFTER_LINEAGE + AR_LINEAGE:
         cmd = outputs[run]
         flags = [f for f in ("--init-drafter", "--init-from") if f in cmd]

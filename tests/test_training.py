@@ -488,6 +488,8 @@ def test_miss_anchor_training_lowers_the_loss_and_validates(tmp_path):
             trainer.config = probing
 
     before = loss_at_uniform_anchors()
+    target = trainer.features(batch)
+    assert not trainer.probe_misses(batch.input_ids, batch.loss_mask, target.features).requires_grad
     for _ in range(8):
         trainer.train_step([batch])
     assert loss_at_uniform_anchors() < before - 0.05

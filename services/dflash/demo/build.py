@@ -27,7 +27,7 @@ checkpoint, so an interrupted build continues where it stopped. Stages:
               now reads target layers 1, 3, 5 instead of 1, 2, 3 (the paper's spread stops at the 3rd-to-last
               layer, so it never reads this 6-layer target's top two), keeping its weights (`--target-layer-ids`)
 8e. data-fresh  12000 prompts starting at mid-file lines (not definitions) of the training and unseen files,
-              regenerated: text no earlier drafter stage saw. Greedy completions of prompts the shipped
+              regenerated: text mostly new to the drafter (earlier stages' prompts all begin at definitions). Greedy completions of prompts the shipped
               drafter had trained on replay to tau 4.07 (first draft token right 0.87), fresh ones to 3.14
               (0.80), held-out ones to 2.97 (0.78) (benchmarks/anchor_difficulty.py --prompts): it had
               memorised the ~22k sequences it saw again and again
@@ -162,8 +162,6 @@ AR_LINEAGE = (("ar-draft", None, ""), ("ar-draft-extended", "ar-draft", "extensi
               ("ar-draft-spread", "ar-draft-mix", "one more round"),
               ("ar-draft-fresh", "ar-draft-mix", "fresh mid-file data"))
 DRAFTER_RUNS = tuple(run for run, _, _ in DRAFTER_LINEAGE)
-DRAFTER_STAGE_OUT = {"drafter": "drafter", "drafter-extend": "drafter-extended", "drafter-more": "drafter-more",
-                     "drafter-mix": "drafter-mix", "drafter-spread": "drafter-spread", "drafter-fresh": "drafter-fresh"}
 AR_RUNS = tuple(run for run, _, _ in AR_LINEAGE)
 NUM_UNSEEN_PROMPTS = 6000
 NUM_FRESH_PROMPTS = 12000
@@ -324,9 +322,8 @@ def build(work: Path, stages: list[str]) -> None:
         print(f"== {stage}", flush=True)
         if stage in commands:
             cmd = list(commands[stage])
-            out = DRAFTER_STAGE_OUT.get(stage)
-            if out and (work / out / "checkpoint").exists():
-                cmd.append("--resume")
+            if "train" in cmd and (Path(cmd[cmd.index("--out") + 1]) / "checkpoint").exists():
+                cmd.append("--resume")  # `dflash train` refuses to start over a checkpoint without it
             if stage == "ar-draft":
                 write_ar_data(work)
             elif stage == "data-more":

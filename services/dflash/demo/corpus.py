@@ -185,8 +185,8 @@ def training_prompts(n: int, prompt_chars: int = 300, seed: int = 0) -> list[str
 
 
 def fresh_prompts(n: int, prompt_chars: int = 300, seed: int = 0) -> list[str]:
-    """Return ``n`` deterministic prompts from mid-file lines of the training and unseen files: text no
-    drafter stage before data-fresh was trained on (theirs all begin at definitions)."""
+    """Return ``n`` deterministic prompts from mid-file lines of the training and unseen files: text mostly
+    new to a drafter trained on definition-start prompts (a line just above a definition overlaps one)."""
     return line_prompts(load_texts("train") + load_texts("unseen"), n, prompt_chars, seed)
 
 

@@ -92,10 +92,13 @@ def sample_anchors(
     one `torch.rand(B, S)` from `generator`, so the stream is reproducible and resumable.
     """
     eligible = eligible_anchors(loss_mask)
-    scores = torch.rand(eligible.shape, generator=generator, device=generator.device).to(loss_mask.device)
+    scores = torch.rand(eligible.shape, generator=generator, device=generator.device)
     if weights is not None:
-        # log(u) / w orders as u ** (1 / w) does, without underflow when w is tiny
-        scores = scores.clamp(min=1e-30).log() / weights.to(scores.device).float().clamp(min=1e-6)
+        # log(u) / w orders as u ** (1 / w) does, without underflow when w is tiny; log on the generator's
+        # device, where it is strictly increasing over torch.rand's values, so w = 1 is the uniform order
+        scores = scores.clamp(min=1e-30).log().to(loss_mask.device) / weights.to(loss_mask.device).float().clamp(
+            min=1e-6)
+    scores = scores.to(loss_mask.device)
     scores = scores.masked_fill(~eligible, -math.inf)
     num = int(min(max_anchors, int(eligible.sum(dim=1).max().item()) if eligible.numel() else 0))
     num = max(num, 1)  # keep shapes non-empty; a row with nothing eligible gets one invalid anchor

@@ -27,7 +27,7 @@ class TrainConfig:
     hard_anchors in [0, 1]: the share of anchor sampling weighted by the target's uncertainty about the
     anchor token (1 - its probability), the rest uniform; 0 samples uniformly (the paper).
     miss_anchors in [0, 1]: the share of anchor sampling on the positions where the drafter's own next
-    greedy round would start (found by one no-grad drafter pass at uniform probe anchors per step).
+    greedy round would start (found by one no-grad drafter pass at uniform probe anchors per micro-batch).
     init_drafter: a drafter directory whose weights replace the fresh init (optimizer and schedule start
     anew); its config must equal the one these flags build, except that explicit target_layer_ids may name
     other layers (as many) than it read.

@@ -21,7 +21,7 @@ from ..drafter.checkpoint import save_drafter
 from ..drafter.config import DFlashConfig
 from ..drafter.model import DFlashDraftModel
 from ..errors import DFlashError
-from .blocks import (Blocks, gamma_or_default, loss_weights, make_blocks, miss_weights, sample_anchors,
+from .blocks import (IGNORE, Blocks, gamma_or_default, loss_weights, make_blocks, miss_weights, sample_anchors,
                      uncertainty_weights)
 from .config import TrainConfig
 from .data import Batch, Sample, collate, epoch_batches
@@ -180,7 +180,10 @@ class Trainer:
         anchors, valid = sample_anchors(loss_mask, self.config.max_anchors, self.anchor_generator)
         with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             hidden, blocks = self.draft(ids, loss_mask, features, anchors, valid)
-            predictions = self.lm_head(hidden).argmax(-1).view_as(blocks.labels)
+            labelled = blocks.labels != IGNORE
+            predictions = torch.full_like(blocks.labels, IGNORE)
+            slots = hidden.view(*blocks.labels.shape, -1)[labelled]
+            predictions[labelled] = self.lm_head(slots.to(self.lm_head.weight.dtype)).argmax(-1)
         return miss_weights(predictions, blocks.labels, anchors, valid, loss_mask, self.config.miss_anchors)
 
     def train_step(self, batches: list[Batch], meter: Meter | None = None) -> float:
