@@ -642,8 +642,8 @@ def test_cli_train_without_mask_token_fails_clearly(tmp_path, capsys):
     assert "--mask-token-id" in capsys.readouterr().err
 
 
-def test_cli_train_init_drafter_starts_from_its_weights(tmp_path, capsys):
-    """--init-drafter: a run starts from the given drafter's weights; a shape mismatch is named."""
+def init_drafter_args(tmp_path) -> list[str]:
+    """`dflash train` arguments for one-step runs on a saved tiny target (add --out and the flags under test)."""
     target_dir = tmp_path / "target"
     tiny_target().save_pretrained(target_dir)
     tiny_tokenizer().save_pretrained(target_dir)
@@ -651,6 +651,12 @@ def test_cli_train_init_drafter_starts_from_its_weights(tmp_path, capsys):
     common = ["train", "--target", str(target_dir), "--data", str(tmp_path / "data.jsonl"), "--block-size", "4",
               "--target-layer-ids", "0,2", "--batch-size", "2", "--max-length", "32", "--max-anchors", "4",
               "--device", "cpu", "--steps", "1"]
+    return common
+
+
+def test_cli_train_init_drafter_starts_from_its_weights(tmp_path, capsys):
+    """--init-drafter: a run starts from the given drafter's weights; a shape mismatch is named."""
+    common = init_drafter_args(tmp_path)
     first = tmp_path / "first"
     assert cli_main(common + ["--out", str(first), "--lr", "3e-3", "--seed", "5"]) == 0
     # A vanishing learning rate keeps the weights where they started.
@@ -674,13 +680,7 @@ def test_cli_train_init_drafter_starts_from_its_weights(tmp_path, capsys):
 def test_cli_train_init_drafter_grows_more_layers(tmp_path, capsys):
     """More --num-layers than the --init-drafter has: the new top layers start as no-ops, so the grown drafter
     drafts exactly what the smaller one did; fewer layers are refused by name."""
-    target_dir = tmp_path / "target"
-    tiny_target().save_pretrained(target_dir)
-    tiny_tokenizer().save_pretrained(target_dir)
-    write_data(tmp_path / "data.jsonl", 8)
-    common = ["train", "--target", str(target_dir), "--data", str(tmp_path / "data.jsonl"), "--block-size", "4",
-              "--target-layer-ids", "0,2", "--batch-size", "2", "--max-length", "32", "--max-anchors", "4",
-              "--device", "cpu", "--steps", "1"]
+    common = init_drafter_args(tmp_path)
     small = tmp_path / "small"
     assert cli_main(common + ["--out", str(small), "--num-layers", "2", "--lr", "3e-3"]) == 0
     grown = tmp_path / "grown"

@@ -119,18 +119,9 @@ def _definition_starts(text: str) -> list[int]:
     return [m.start() for m in _DEF_RE.finditer(text)]
 
 
-def cut_prompts(texts: list[str], n: int, prompt_chars: int, seed: int) -> list[str]:
-    """Cut ``n`` distinct prompts of ``prompt_chars`` characters from ``texts``.
-
-    Each prompt begins at a line holding a ``def``/``class`` statement; the choice
-    of start points is a seeded, deterministic shuffle over all files.
-    """
-    candidates = [
-        (i, start)
-        for i, text in enumerate(texts)
-        for start in _definition_starts(text)
-        if start + prompt_chars <= len(text)
-    ]
+def _distinct_prompts(texts: list[str], candidates: list[tuple[int, int]], n: int, prompt_chars: int,
+                      seed: int) -> list[str]:
+    """The first ``n`` distinct prompts of a seeded shuffle of (text index, start) candidates."""
     rng = random.Random(seed)
     rng.shuffle(candidates)
     prompts: list[str] = []
@@ -143,6 +134,21 @@ def cut_prompts(texts: list[str], n: int, prompt_chars: int, seed: int) -> list[
         if len(prompts) == n:
             break
     return prompts
+
+
+def cut_prompts(texts: list[str], n: int, prompt_chars: int, seed: int) -> list[str]:
+    """Cut ``n`` distinct prompts of ``prompt_chars`` characters from ``texts``.
+
+    Each prompt begins at a line holding a ``def``/``class`` statement; the choice
+    of start points is a seeded, deterministic shuffle over all files.
+    """
+    candidates = [
+        (i, start)
+        for i, text in enumerate(texts)
+        for start in _definition_starts(text)
+        if start + prompt_chars <= len(text)
+    ]
+    return _distinct_prompts(texts, candidates, n, prompt_chars, seed)
 
 
 def line_prompts(texts: list[str], n: int, prompt_chars: int, seed: int) -> list[str]:
@@ -160,18 +166,7 @@ def line_prompts(texts: list[str], n: int, prompt_chars: int, seed: int) -> list
             if end < 0:
                 break
             start = end + 1
-    rng = random.Random(seed)
-    rng.shuffle(candidates)
-    prompts: list[str] = []
-    seen: set[str] = set()
-    for i, start in candidates:
-        prompt = texts[i][start : start + prompt_chars]
-        if prompt not in seen:
-            seen.add(prompt)
-            prompts.append(prompt)
-        if len(prompts) == n:
-            break
-    return prompts
+    return _distinct_prompts(texts, candidates, n, prompt_chars, seed)
 
 
 def heldout_prompts(n: int = 64, prompt_chars: int = 300, seed: int = 0) -> list[str]:
