@@ -33,8 +33,12 @@ checkpoint, so an interrupted build continues where it stopped. Stages:
               memorised the ~22k sequences it saw again and again
 8f. drafter-fresh, ar-fresh
               both trained on the fresh data alone with one budget, from drafter-spread and ar-draft-mix
+8g. data-fresh2  the next 16000 prompts of the same mid-file draw (8e's are its first 12000), regenerated:
+              8f moved held-out tau 2.95 -> 3.12 on 12000 new sequences, so new text is the lever
+8h. drafter-fresh2, ar-fresh2
+              both trained one epoch on that data alone with one budget, from drafter-fresh and ar-draft-fresh
 
-Pairs of stages with one budget (drafter and ar-draft, 6, 8, 8c, 8d, 8f) were run side by side, one core each, as two
+Pairs of stages with one budget (drafter and ar-draft, 6, 8, 8c, 8d, 8f, 8h) were run side by side, one core each, as two
 builds: `dflash demo build --stages drafter-more & dflash demo build --stages ar-more`. Extensions start
 from the bf16 weights their parent saved, not its float32 state.
 9. eval       tau at T=0 and T=1, block 8 and 16, on held-out modules, beside the baseline
@@ -115,6 +119,13 @@ def stage_commands(work: Path) -> dict[str, list[str]]:
                                        extra=("--gamma", "4", "--target-layer-ids", "1,3,5")),
         "ar-fresh": _ar_draft_from(work, "ar-data-fresh.jsonl", "ar-draft-fresh", steps=3800, seed=5,
                                    init="ar-draft-mix"),
+        "data-fresh2": _regenerate(work, "prompts-fresh2.jsonl", "regenerated-fresh2.jsonl"),
+        # About 80 minutes each on one core of the 2-core build machine, run at the same time.
+        "drafter-fresh2": _drafter_from(work, "drafter-fresh", work / "regenerated-fresh2.jsonl", "drafter-fresh2",
+                                        epochs=1, steps=2000, seed=6,
+                                        extra=("--gamma", "4", "--target-layer-ids", "1,3,5")),
+        "ar-fresh2": _ar_draft_from(work, "ar-data-fresh2.jsonl", "ar-draft-fresh2", steps=3600, seed=6,
+                                    init="ar-draft-fresh"),
     }
 
 
@@ -156,15 +167,18 @@ DRAFTER_LINEAGE = (("drafter", None, ""), ("drafter-extended", "drafter", "exten
                    ("drafter-more", "drafter-extended", "more data"),
                    ("drafter-mix", "drafter-more", "+ unseen-file data"),
                    ("drafter-spread", "drafter-mix", "target layers 1, 3, 5"),
-                   ("drafter-fresh", "drafter-spread", "fresh mid-file data"))
+                   ("drafter-fresh", "drafter-spread", "fresh mid-file data"),
+                   ("drafter-fresh2", "drafter-fresh", "16000 more fresh sequences"))
 AR_LINEAGE = (("ar-draft", None, ""), ("ar-draft-extended", "ar-draft", "extension"),
               ("ar-draft-more", "ar-draft", "more data"), ("ar-draft-mix", "ar-draft-more", "+ unseen-file data"),
               ("ar-draft-spread", "ar-draft-mix", "one more round"),
-              ("ar-draft-fresh", "ar-draft-mix", "fresh mid-file data"))
+              ("ar-draft-fresh", "ar-draft-mix", "fresh mid-file data"),
+              ("ar-draft-fresh2", "ar-draft-fresh", "16000 more fresh sequences"))
 DRAFTER_RUNS = tuple(run for run, _, _ in DRAFTER_LINEAGE)
 AR_RUNS = tuple(run for run, _, _ in AR_LINEAGE)
 NUM_UNSEEN_PROMPTS = 6000
 NUM_FRESH_PROMPTS = 12000
+NUM_FRESH2_PROMPTS = 16000
 
 
 def final_dirs(work: Path) -> tuple[Path, Path]:
@@ -233,6 +247,15 @@ def write_fresh_prompts(work: Path) -> None:
     memorised the definition-start completions of every stage before."""
     with open(work / "prompts-fresh.jsonl", "w") as f:
         for i, p in enumerate(corpus.fresh_prompts(NUM_FRESH_PROMPTS, seed=SEED)):
+            f.write(json.dumps({"id": f"fresh-{i}", "prompt": p}) + "\n")
+
+
+def write_fresh2_prompts(work: Path) -> None:
+    """The next NUM_FRESH2_PROMPTS prompts of write_fresh_prompts' draw (one seeded shuffle, so its first
+    NUM_FRESH_PROMPTS are exactly those): sequences no earlier stage trained on."""
+    draw = corpus.fresh_prompts(NUM_FRESH_PROMPTS + NUM_FRESH2_PROMPTS, seed=SEED)
+    with open(work / "prompts-fresh2.jsonl", "w") as f:
+        for i, p in enumerate(draw[NUM_FRESH_PROMPTS:], start=NUM_FRESH_PROMPTS):
             f.write(json.dumps({"id": f"fresh-{i}", "prompt": p}) + "\n")
 
 
@@ -336,12 +359,16 @@ def build(work: Path, stages: list[str]) -> None:
                 write_unseen_prompts(work)
             elif stage == "data-fresh":
                 write_fresh_prompts(work)
+            elif stage == "data-fresh2":
+                write_fresh2_prompts(work)
             run(cmd, log)
             if stage == "data-unseen":  # both mix stages then read finished files, side by side
                 write_mix(work)
                 write_ar_data(work, work / "regenerated-mix.jsonl", work / "ar-data-mix.jsonl")
             if stage == "data-fresh":
                 write_ar_data(work, work / "regenerated-fresh.jsonl", work / "ar-data-fresh.jsonl")
+            if stage == "data-fresh2":
+                write_ar_data(work, work / "regenerated-fresh2.jsonl", work / "ar-data-fresh2.jsonl")
         elif stage == "prompts":
             write_prompts(work)
         elif stage == "eval":
@@ -352,4 +379,5 @@ def build(work: Path, stages: list[str]) -> None:
 
 STAGES = ["tokenizer", "target", "prompts", "drafter", "ar-draft", "drafter-extend", "ar-extend", "data-more",
           "drafter-more", "ar-more", "data-unseen", "drafter-mix", "ar-mix", "drafter-spread", "ar-spread",
-          "data-fresh", "drafter-fresh", "ar-fresh", "eval", "install"]
+          "data-fresh", "drafter-fresh", "ar-fresh", "data-fresh2", "drafter-fresh2", "ar-fresh2", "eval",
+          "install"]
