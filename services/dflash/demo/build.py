@@ -38,7 +38,7 @@ checkpoint, so an interrupted build continues where it stopped. Stages:
 8h. drafter-fresh2, ar-fresh2
               both trained one epoch on that data alone with one budget, from drafter-fresh and ar-draft-fresh
 
-Pairs of stages with one budget (drafter and ar-draft, 6, 8, 8c, 8d, 8f, 8h) were run side by side, one core each, as two
+Pairs of stages with one budget (drafter and ar-draft, 6, 8, 8c, 8d, 8f, 8h) run side by side, one core each, as two
 builds: `dflash demo build --stages drafter-more & dflash demo build --stages ar-more`. Extensions start
 from the bf16 weights their parent saved, not its float32 state.
 9. eval       tau at T=0 and T=1, block 8 and 16, on held-out modules, beside the baseline
@@ -120,7 +120,7 @@ def stage_commands(work: Path) -> dict[str, list[str]]:
         "ar-fresh": _ar_draft_from(work, "ar-data-fresh.jsonl", "ar-draft-fresh", steps=3800, seed=5,
                                    init="ar-draft-mix"),
         "data-fresh2": _regenerate(work, "prompts-fresh2.jsonl", "regenerated-fresh2.jsonl"),
-        # About 80 minutes each on one core of the 2-core build machine, run at the same time.
+        # About 95 minutes each on one core of the 2-core build machine (2.9 s a drafter step), side by side.
         "drafter-fresh2": _drafter_from(work, "drafter-fresh", work / "regenerated-fresh2.jsonl", "drafter-fresh2",
                                         epochs=1, steps=2000, seed=6,
                                         extra=("--gamma", "4", "--target-layer-ids", "1,3,5")),
