@@ -648,10 +648,9 @@ def init_drafter_args(tmp_path) -> list[str]:
     tiny_target().save_pretrained(target_dir)
     tiny_tokenizer().save_pretrained(target_dir)
     write_data(tmp_path / "data.jsonl", 8)
-    common = ["train", "--target", str(target_dir), "--data", str(tmp_path / "data.jsonl"), "--block-size", "4",
-              "--target-layer-ids", "0,2", "--batch-size", "2", "--max-length", "32", "--max-anchors", "4",
-              "--device", "cpu", "--steps", "1"]
-    return common
+    return ["train", "--target", str(target_dir), "--data", str(tmp_path / "data.jsonl"), "--block-size", "4",
+            "--target-layer-ids", "0,2", "--batch-size", "2", "--max-length", "32", "--max-anchors", "4",
+            "--device", "cpu", "--steps", "1"]
 
 
 def test_cli_train_init_drafter_starts_from_its_weights(tmp_path, capsys):
