@@ -96,20 +96,21 @@ def test_line_prompts_start_at_new_mid_file_lines():
         assert any(t.startswith(p) or ("\n" + p) in t for t in texts)
 
 
-def test_fresh2_prompts_continue_the_fresh_draw(tmp_path, monkeypatch):
-    """data-fresh2 writes the prompts after data-fresh's in one draw: none repeated, ids continuing."""
+def test_fresh_prompt_parts_continue_one_draw(tmp_path, monkeypatch):
+    """data-fresh, data-fresh2 and data-fresh3 write consecutive parts of one draw: none repeated, ids
+    continuing, each part what the stage before it left."""
     from dflash.demo import build
 
-    monkeypatch.setattr(build, "NUM_FRESH_PROMPTS", 40)
-    monkeypatch.setattr(build, "NUM_FRESH2_PROMPTS", 30)
+    parts = (("prompts-fresh.jsonl", 40), ("prompts-fresh2.jsonl", 30), ("prompts-fresh3.jsonl", 20))
+    monkeypatch.setattr(build, "FRESH_PARTS", parts)
     texts_by_split = {"train": corpus.load_texts("train", max_files=6), "unseen": []}
     monkeypatch.setattr(corpus, "load_texts", lambda split, **_: texts_by_split[split])
-    build.write_fresh_prompts(tmp_path)
-    build.write_fresh2_prompts(tmp_path)
-    first, second = ([json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
-                     for name in ("prompts-fresh.jsonl", "prompts-fresh2.jsonl"))
-    assert [r["id"] for r in first + second] == [f"fresh-{i}" for i in range(70)]
-    assert [r["prompt"] for r in first + second] == corpus.fresh_prompts(70, seed=build.SEED)
+    for part in range(len(parts)):
+        build.write_fresh_prompts(tmp_path, part)
+    records = [json.loads(line) for name, _ in parts for line in (tmp_path / name).read_text().splitlines()]
+    assert [r["id"] for r in records] == [f"fresh-{i}" for i in range(90)]
+    assert [r["prompt"] for r in records] == corpus.fresh_prompts(90, seed=build.SEED)
+    assert len({r["prompt"] for r in records}) == 90
 
 
 def test_tokenizer_round_trip_and_mask(tok_dir):

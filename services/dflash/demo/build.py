@@ -37,8 +37,13 @@ checkpoint, so an interrupted build continues where it stopped. Stages:
               8f moved held-out tau 2.95 -> 3.12 on 12000 new sequences, so new text is the lever
 8h. drafter-fresh2, ar-fresh2
               both trained one epoch on that data alone with one budget, from drafter-fresh and ar-draft-fresh
+8i. data-fresh3  the next 16000 prompts of that draw, regenerated
+8j. drafter-grow3, ar-fresh3
+              both trained one epoch on that data alone with one budget; the drafter grown from 2 to 3 layers
+              (`--num-layers 3` over drafter-fresh2: the new layer starts as a copy of the top one with zero
+              output projections, so it drafts as drafter-fresh2 did), the AR draft from ar-draft-fresh2
 
-Pairs of stages with one budget (drafter and ar-draft, 6, 8, 8c, 8d, 8f, 8h) run side by side, one core each, as two
+Pairs of stages with one budget (drafter and ar-draft, 6, 8, 8c, 8d, 8f, 8h, 8j) run side by side, one core each, as two
 builds: `dflash demo build --stages drafter-more & dflash demo build --stages ar-more`. Extensions start
 from the bf16 weights their parent saved, not its float32 state.
 9. eval       tau at T=0 and T=1, block 8 and 16, on held-out modules, beside the baseline
@@ -126,6 +131,14 @@ def stage_commands(work: Path) -> dict[str, list[str]]:
                                         extra=("--gamma", "4", "--target-layer-ids", "1,3,5")),
         "ar-fresh2": _ar_draft_from(work, "ar-data-fresh2.jsonl", "ar-draft-fresh2", steps=3600, seed=6,
                                     init="ar-draft-fresh"),
+        "data-fresh3": _regenerate(work, "prompts-fresh3.jsonl", "regenerated-fresh3.jsonl"),
+        # Side by side, one core each: the grown drafter's step costs more than a 2-layer one's, so the
+        # AR draft gets the steps that fill the same time.
+        "drafter-grow3": _drafter_from(work, "drafter-fresh2", work / "regenerated-fresh3.jsonl", "drafter-grow3",
+                                       epochs=1, steps=2000, seed=7, layers=3,
+                                       extra=("--gamma", "4", "--target-layer-ids", "1,3,5")),
+        "ar-fresh3": _ar_draft_from(work, "ar-data-fresh3.jsonl", "ar-draft-fresh3", steps=4400, seed=7,
+                                    init="ar-draft-fresh2"),
     }
 
 
@@ -139,12 +152,13 @@ def _regenerate(work: Path, prompts: str, out: str) -> list[str]:
 
 
 def _drafter_from(work: Path, init: str, data: Path, out: str, *, epochs: int, steps: int, seed: int,
-                  extra: tuple[str, ...] = ()) -> list[str]:
-    """`dflash train` continuing drafter run `init` (its shape, a new schedule) with distillation 0.5."""
+                  layers: int = 2, extra: tuple[str, ...] = ()) -> list[str]:
+    """`dflash train` continuing drafter run `init` (its shape, or grown to `layers`; a new schedule) with
+    distillation 0.5."""
     return PY + [
         "dflash.cli", "train", "--target", str(work / "target" / "final"), "--data", str(data),
         "--out", str(work / out), "--init-drafter", str(work / init), "--max-length", "384", "--block-size", "16",
-        "--num-layers", "2", "--num-features", "3", "--epochs", str(epochs), "--steps", str(steps), "--lr", "1e-3",
+        "--num-layers", str(layers), "--num-features", "3", "--epochs", str(epochs), "--steps", str(steps), "--lr", "1e-3",
         "--batch-size", "8", "--max-anchors", "48", *extra, "--distill-weight", "0.5", "--save-every", "50",
         "--eval-prompts", str(work / "heldout.jsonl"), "--eval-max-new-tokens", "96", "--seed", str(seed),
         "--threads", "1", "--device", "cpu",
@@ -168,17 +182,19 @@ DRAFTER_LINEAGE = (("drafter", None, ""), ("drafter-extended", "drafter", "exten
                    ("drafter-mix", "drafter-more", "+ unseen-file data"),
                    ("drafter-spread", "drafter-mix", "target layers 1, 3, 5"),
                    ("drafter-fresh", "drafter-spread", "fresh mid-file data"),
-                   ("drafter-fresh2", "drafter-fresh", "16000 more fresh sequences"))
+                   ("drafter-fresh2", "drafter-fresh", "16000 more fresh sequences"),
+                   ("drafter-grow3", "drafter-fresh2", "grown to 3 layers, 16000 more fresh sequences"))
 AR_LINEAGE = (("ar-draft", None, ""), ("ar-draft-extended", "ar-draft", "extension"),
               ("ar-draft-more", "ar-draft", "more data"), ("ar-draft-mix", "ar-draft-more", "+ unseen-file data"),
               ("ar-draft-spread", "ar-draft-mix", "one more round"),
               ("ar-draft-fresh", "ar-draft-mix", "fresh mid-file data"),
-              ("ar-draft-fresh2", "ar-draft-fresh", "16000 more fresh sequences"))
+              ("ar-draft-fresh2", "ar-draft-fresh", "16000 more fresh sequences"),
+              ("ar-draft-fresh3", "ar-draft-fresh2", "16000 more fresh sequences"))
 DRAFTER_RUNS = tuple(run for run, _, _ in DRAFTER_LINEAGE)
 AR_RUNS = tuple(run for run, _, _ in AR_LINEAGE)
 NUM_UNSEEN_PROMPTS = 6000
-NUM_FRESH_PROMPTS = 12000
-NUM_FRESH2_PROMPTS = 16000
+# The fresh draw's parts in order, (prompts file, prompts): data-fresh, data-fresh2, data-fresh3.
+FRESH_PARTS = (("prompts-fresh.jsonl", 12000), ("prompts-fresh2.jsonl", 16000), ("prompts-fresh3.jsonl", 16000))
 
 
 def final_dirs(work: Path) -> tuple[Path, Path]:
@@ -242,20 +258,15 @@ def write_unseen_prompts(work: Path) -> None:
             f.write(json.dumps({"id": f"unseen-{i}", "prompt": p}) + "\n")
 
 
-def write_fresh_prompts(work: Path) -> None:
-    """Prompts from mid-file lines of the training and unseen files: new text for a drafter that has
-    memorised the definition-start completions of every stage before."""
-    with open(work / "prompts-fresh.jsonl", "w") as f:
-        for i, p in enumerate(corpus.fresh_prompts(NUM_FRESH_PROMPTS, seed=SEED)):
-            f.write(json.dumps({"id": f"fresh-{i}", "prompt": p}) + "\n")
-
-
-def write_fresh2_prompts(work: Path) -> None:
-    """The next NUM_FRESH2_PROMPTS prompts of write_fresh_prompts' draw (one seeded shuffle, so its first
-    NUM_FRESH_PROMPTS are exactly those): sequences no earlier stage trained on."""
-    draw = corpus.fresh_prompts(NUM_FRESH_PROMPTS + NUM_FRESH2_PROMPTS, seed=SEED)
-    with open(work / "prompts-fresh2.jsonl", "w") as f:
-        for i, p in enumerate(draw[NUM_FRESH_PROMPTS:], start=NUM_FRESH_PROMPTS):
+def write_fresh_prompts(work: Path, part: int = 0) -> None:
+    """Part `part` of one seeded draw of prompts from mid-file lines of the training and unseen files
+    (FRESH_PARTS gives each part's file and size): new text for a drafter that has memorised the
+    definition-start completions of the stages before, and no part repeats another's prompts."""
+    name, _ = FRESH_PARTS[part]
+    start = sum(size for _, size in FRESH_PARTS[:part])
+    draw = corpus.fresh_prompts(start + FRESH_PARTS[part][1], seed=SEED)
+    with open(work / name, "w") as f:
+        for i, p in enumerate(draw[start:], start=start):
             f.write(json.dumps({"id": f"fresh-{i}", "prompt": p}) + "\n")
 
 
@@ -357,18 +368,15 @@ def build(work: Path, stages: list[str]) -> None:
                 if not (work / "regenerated-all.jsonl").is_file():  # the mix needs it after the long run
                     raise DFlashError(f"'{work}/regenerated-all.jsonl' is missing; run the data-more stage first")
                 write_unseen_prompts(work)
-            elif stage == "data-fresh":
-                write_fresh_prompts(work)
-            elif stage == "data-fresh2":
-                write_fresh2_prompts(work)
+            elif stage in FRESH_DATA_STAGES:
+                write_fresh_prompts(work, FRESH_DATA_STAGES.index(stage))
             run(cmd, log)
             if stage == "data-unseen":  # both mix stages then read finished files, side by side
                 write_mix(work)
                 write_ar_data(work, work / "regenerated-mix.jsonl", work / "ar-data-mix.jsonl")
-            if stage == "data-fresh":
-                write_ar_data(work, work / "regenerated-fresh.jsonl", work / "ar-data-fresh.jsonl")
-            if stage == "data-fresh2":
-                write_ar_data(work, work / "regenerated-fresh2.jsonl", work / "ar-data-fresh2.jsonl")
+            if stage in FRESH_DATA_STAGES:
+                suffix = stage.removeprefix("data-")
+                write_ar_data(work, work / f"regenerated-{suffix}.jsonl", work / f"ar-data-{suffix}.jsonl")
         elif stage == "prompts":
             write_prompts(work)
         elif stage == "eval":
@@ -379,5 +387,6 @@ def build(work: Path, stages: list[str]) -> None:
 
 STAGES = ["tokenizer", "target", "prompts", "drafter", "ar-draft", "drafter-extend", "ar-extend", "data-more",
           "drafter-more", "ar-more", "data-unseen", "drafter-mix", "ar-mix", "drafter-spread", "ar-spread",
-          "data-fresh", "drafter-fresh", "ar-fresh", "data-fresh2", "drafter-fresh2", "ar-fresh2", "eval",
-          "install"]
+          "data-fresh", "drafter-fresh", "ar-fresh", "data-fresh2", "drafter-fresh2", "ar-fresh2", "data-fresh3",
+          "drafter-grow3", "ar-fresh3", "eval", "install"]
+FRESH_DATA_STAGES = ("data-fresh", "data-fresh2", "data-fresh3")  # in FRESH_PARTS' order
