@@ -37,7 +37,9 @@ checkpoint, so an interrupted build continues where it stopped. Stages:
               8f moved held-out tau 2.95 -> 3.12 on 12000 new sequences, so new text is the lever
 8h. drafter-fresh2, ar-fresh2
               both trained one epoch on that data alone with one budget, from drafter-fresh and ar-draft-fresh
-8i. data-fresh3  the next 16000 prompts of that draw, regenerated
+8i. data-fresh3  the next 16000 prompts of that draw, regenerated: 8h left the 2-layer drafter's held-out
+              tau where it was (3.11 against 3.12) while the AR draft's held-out loss fell 4.42 -> 4.29, so at
+              its size the drafter no longer gains from new text
 8j. drafter-grow3, ar-fresh3
               both trained one epoch on that data alone with one budget; the drafter grown from 2 to 3 layers
               (`--num-layers 3` over drafter-fresh2: the new layer starts as a copy of the top one with zero
