@@ -208,3 +208,49 @@ def test_build_lineage_is_what_the_stages_run(tmp_path):
             assert not flags, run
         else:
             assert Path(cmd[cmd.index(flags[0]) + 1]).relative_to(tmp_path).parts[0] == parent, run
+
+
+def test_restore_seeds_a_lost_work_directory_from_an_installed_pair(tmp_path):
+    """`--stages restore`: the installed target, tokenizer, drafter and AR draft land where the later stages
+    and the selection look for them; the drafter's held-out tau is measured again with the restored target;
+    after install, the runs that are gone keep their recorded measures; what exists is kept."""
+    from tiny import char_tokenizer, tiny_drafter, tiny_target
+
+    from dflash.demo.build import _selection, final_dirs, restore
+    from dflash.drafter.checkpoint import save_drafter
+    from dflash.errors import DFlashError
+
+    src, work = tmp_path / "installed", tmp_path / "work"
+    target = tiny_target(layers=3)
+    for name, model in (("target", target), ("ar-draft", tiny_target(layers=1, seed=3))):
+        model.save_pretrained(src / name)
+        char_tokenizer().save_pretrained(src / name)
+    save_drafter(tiny_drafter(target, num_layers=1), src / "drafter")
+    with pytest.raises(DFlashError, match="no manifest.json"):
+        restore(work, src)
+    manifest = {"installed": {"drafter": "runs/demo/drafter-fresh", "ar_draft": "runs/demo/ar-draft-fresh2/final"},
+                "target_metrics": {"heldout_loss": 3.7}, "ar_draft_metrics": {"heldout_loss": 4.3}}
+    (src / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DFlashError, match="lacks 'selection'"):
+        restore(work, src)
+    manifest["selection"] = {"drafter_heldout_tau": {"drafter-spread": 2.9, "drafter-fresh": 3.1},
+                             "ar_draft_heldout_loss": {"ar-draft-fresh": 4.4, "ar-draft-fresh2": 4.3}}
+    (src / "manifest.json").write_text(json.dumps(manifest))
+
+    restore(work, src)
+    assert (work / "target" / "final" / "model.safetensors").is_file()
+    assert json.loads((work / "target" / "metrics.json").read_text()) == {"heldout_loss": 3.7}
+    assert AutoTokenizer.from_pretrained(str(work / "tokenizer")).mask_token == "<|MASK|>"
+    assert len((work / "heldout.jsonl").read_text().splitlines()) == 24
+    (event,) = [json.loads(line) for line in (work / "drafter-fresh" / "train_log.jsonl").read_text().splitlines()]
+    assert event["event"] == "eval" and event["rounds"] > 0 and event["tau"] >= 1.0
+    assert final_dirs(work) == (work / "drafter-fresh", work / "ar-draft-fresh2" / "final")
+    selection = _selection(work)
+    assert selection["drafter_heldout_tau"] == {"drafter-spread": 2.9, "drafter-fresh": event["tau"]}  # measured again
+    assert selection["ar_draft_heldout_loss"] == {"ar-draft-fresh": 4.4, "ar-draft-fresh2": 4.3}
+    assert selection["restored_from"] == str(src)
+
+    log = (work / "drafter-fresh" / "train_log.jsonl").read_text() + json.dumps({"event": "eval", "tau": 9.0}) + "\n"
+    (work / "drafter-fresh" / "train_log.jsonl").write_text(log)
+    restore(work, src)  # a second restore keeps what is there
+    assert (work / "drafter-fresh" / "train_log.jsonl").read_text() == log

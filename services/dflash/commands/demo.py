@@ -16,7 +16,9 @@ def register(sub) -> None:
     )
     b.add_argument("--work", default="runs/demo", help="working directory for checkpoints and logs (default runs/demo)")
     b.add_argument("--stages", default="all",
-                   help="comma-separated subset of the stages, in order: " + ",".join(_stages()) + " (default all)")
+                   help="comma-separated subset of the stages, in order: " + ",".join(_stages()) + " (default all);"
+                   " 'restore' (not in all) seeds a lost work directory from the installed pair, so that later"
+                   " stages continue from it")
     p.set_defaults(handler=run)
 
 
@@ -27,12 +29,12 @@ def _stages() -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..demo.build import STAGES, build
+    from ..demo.build import EXTRA_STAGES, STAGES, build
     from ..errors import DFlashError
 
     stages = STAGES if args.stages == "all" else [s.strip() for s in args.stages.split(",")]
-    unknown = [s for s in stages if s not in STAGES]
+    unknown = [s for s in stages if s not in STAGES and s not in EXTRA_STAGES]
     if unknown:
-        raise DFlashError(f"unknown stage(s) {unknown}; choose from {','.join(STAGES)}")
+        raise DFlashError(f"unknown stage(s) {unknown}; choose from {','.join(STAGES + list(EXTRA_STAGES))}")
     build(Path(args.work), stages)
     return 0

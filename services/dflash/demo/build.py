@@ -41,15 +41,20 @@ checkpoint, so an interrupted build continues where it stopped. Stages:
               tau where it was (3.11 against 3.12) while the AR draft's held-out loss fell 4.42 -> 4.29, so at
               its size the drafter no longer gains from new text
 8j. drafter-grow3, ar-fresh3
-              both trained one epoch on that data alone with one budget; the drafter grown from 2 to 3 layers
-              (`--num-layers 3` over drafter-fresh2: the new layer starts as a copy of the top one with zero
-              output projections, so it drafts as drafter-fresh2 did), the AR draft from ar-draft-fresh2
+              both trained on that data alone with one budget (1500 drafter steps, 12000 of its sequences;
+              about 85 minutes each side by side); the drafter grown from 2 to 3 layers (`--num-layers 3`
+              over drafter-fresh, the best 2-layer run: the new layer starts as a copy of the top one with
+              zero output projections, so it drafts as drafter-fresh did), the AR draft from ar-draft-fresh2
 
 Pairs of stages with one budget (drafter and ar-draft, 6, 8, 8c, 8d, 8f, 8h, 8j) run side by side, one core each, as two
 builds: `dflash demo build --stages drafter-more & dflash demo build --stages ar-more`. Extensions start
 from the bf16 weights their parent saved, not its float32 state.
 9. eval       tau at T=0 and T=1, block 8 and 16, on held-out modules, beside the baseline
 10. install   bf16 copies into the package's assets/demo with manifest.json and training curves
+
+`--stages restore` (not part of a full build) seeds a work directory that was lost from the installed
+pair (see restore), so that stages after the installed runs can still run: the stages above, one after
+another, take well over ten hours of the 2-core build machine.
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ MAX_TRAIN_PROMPTS = 20000  # more than the training modules hold: data-more take
 NUM_EVAL_PROMPTS = 24
 EVAL_MAX_NEW_TOKENS = 128
 EVAL_DRAFT_CONFIDENCE = 0.05  # also measured: block 16 with drafts cut at this joint confidence
+DRAFTER_MAX_LENGTH = 384  # every drafter stage's --max-length
+DRAFTER_EVAL_TOKENS = 96  # and its --eval-max-new-tokens: the held-out tau the selection compares
 PY = [sys.executable, "-m"]
 
 
@@ -87,10 +94,10 @@ def stage_commands(work: Path) -> dict[str, list[str]]:
         "drafter": PY + [
             "dflash.cli", "train", "--target", str(work / "target" / "final"), "--data", str(work / "prompts.jsonl"),
             "--out", str(work / "drafter"), "--regenerate", "--regen-max-new-tokens", "256",
-            "--regen-batch-size", "32", "--max-length", "384", "--block-size", "16", "--num-layers", "2",
-            "--num-features", "3", "--epochs", "3", "--lr", "1.5e-3", "--batch-size", "8", "--max-anchors", "48",
-            "--save-every", "50", "--eval-prompts", str(work / "heldout.jsonl"), "--eval-max-new-tokens", "96",
-            "--seed", str(SEED), "--threads", "1", "--device", "cpu",
+            "--regen-batch-size", "32", "--max-length", str(DRAFTER_MAX_LENGTH), "--block-size", "16",
+            "--num-layers", "2", "--num-features", "3", "--epochs", "3", "--lr", "1.5e-3", "--batch-size", "8",
+            "--max-anchors", "48", "--save-every", "50", "--eval-prompts", str(work / "heldout.jsonl"),
+            "--eval-max-new-tokens", str(DRAFTER_EVAL_TOKENS), "--seed", str(SEED), "--threads", "1", "--device", "cpu",
         ],
         "ar-draft": PY + [
             "dflash.demo.pretrain", "--out", str(work / "ar-draft"), "--tokenizer", str(work / "tokenizer"),
@@ -134,12 +141,13 @@ def stage_commands(work: Path) -> dict[str, list[str]]:
         "ar-fresh2": _ar_draft_from(work, "ar-data-fresh2.jsonl", "ar-draft-fresh2", steps=3600, seed=6,
                                     init="ar-draft-fresh"),
         "data-fresh3": _regenerate(work, "prompts-fresh3.jsonl", "regenerated-fresh3.jsonl"),
-        # Side by side, one core each: the grown drafter's step costs more than a 2-layer one's, so the
-        # AR draft gets the steps that fill the same time.
-        "drafter-grow3": _drafter_from(work, "drafter-fresh2", work / "regenerated-fresh3.jsonl", "drafter-grow3",
-                                       epochs=1, steps=2000, seed=7, layers=3,
+        # Side by side, one core each, the AR draft gets the steps that fill the drafter's time: on the
+        # machine that ran them (AVX512-BF16, where the AR draft's bf16 autocast pays; the drafter trains in
+        # fp32 there) a 3-layer drafter step took 3.2 s and an AR step 0.48 s.
+        "drafter-grow3": _drafter_from(work, "drafter-fresh", work / "regenerated-fresh3.jsonl", "drafter-grow3",
+                                       epochs=1, steps=1500, seed=7, layers=3,
                                        extra=("--gamma", "4", "--target-layer-ids", "1,3,5")),
-        "ar-fresh3": _ar_draft_from(work, "ar-data-fresh3.jsonl", "ar-draft-fresh3", steps=4400, seed=7,
+        "ar-fresh3": _ar_draft_from(work, "ar-data-fresh3.jsonl", "ar-draft-fresh3", steps=9000, seed=7,
                                     init="ar-draft-fresh2"),
     }
 
@@ -159,11 +167,11 @@ def _drafter_from(work: Path, init: str, data: Path, out: str, *, epochs: int, s
     distillation 0.5."""
     return PY + [
         "dflash.cli", "train", "--target", str(work / "target" / "final"), "--data", str(data),
-        "--out", str(work / out), "--init-drafter", str(work / init), "--max-length", "384", "--block-size", "16",
-        "--num-layers", str(layers), "--num-features", "3", "--epochs", str(epochs), "--steps", str(steps), "--lr", "1e-3",
-        "--batch-size", "8", "--max-anchors", "48", *extra, "--distill-weight", "0.5", "--save-every", "50",
-        "--eval-prompts", str(work / "heldout.jsonl"), "--eval-max-new-tokens", "96", "--seed", str(seed),
-        "--threads", "1", "--device", "cpu",
+        "--out", str(work / out), "--init-drafter", str(work / init), "--max-length", str(DRAFTER_MAX_LENGTH),
+        "--block-size", "16", "--num-layers", str(layers), "--num-features", "3", "--epochs", str(epochs),
+        "--steps", str(steps), "--lr", "1e-3", "--batch-size", "8", "--max-anchors", "48", *extra,
+        "--distill-weight", "0.5", "--save-every", "50", "--eval-prompts", str(work / "heldout.jsonl"),
+        "--eval-max-new-tokens", str(DRAFTER_EVAL_TOKENS), "--seed", str(seed), "--threads", "1", "--device", "cpu",
     ]
 
 
@@ -185,7 +193,7 @@ DRAFTER_LINEAGE = (("drafter", None, ""), ("drafter-extended", "drafter", "exten
                    ("drafter-spread", "drafter-mix", "target layers 1, 3, 5"),
                    ("drafter-fresh", "drafter-spread", "fresh mid-file data"),
                    ("drafter-fresh2", "drafter-fresh", "16000 more fresh sequences"),
-                   ("drafter-grow3", "drafter-fresh2", "grown to 3 layers, 16000 more fresh sequences"))
+                   ("drafter-grow3", "drafter-fresh", "grown to 3 layers, 12000 of 16000 more fresh sequences"))
 AR_LINEAGE = (("ar-draft", None, ""), ("ar-draft-extended", "ar-draft", "extension"),
               ("ar-draft-more", "ar-draft", "more data"), ("ar-draft-mix", "ar-draft-more", "+ unseen-file data"),
               ("ar-draft-spread", "ar-draft-mix", "one more round"),
@@ -279,6 +287,62 @@ def write_mix(work: Path) -> None:
             dst.write((work / name).read_text())
 
 
+def restore(work: Path, src: Path = DEMO_DIR) -> None:
+    """Seed `work` from an installed pair (its manifest names the runs it came from), so that later stages
+    continue from the installed models when the build's own directory is gone: the target as
+    target/final, its tokenizer, the prompts, and the installed drafter and AR draft under their run names.
+    The installed files are bf16, so the drafter's held-out tau is measured again with the restored
+    target and logged as its run's eval (the selection compares every run against the same target);
+    the AR draft keeps its recorded held-out loss, which does not depend on the target. Pieces that
+    already exist are kept."""
+    import torch
+
+    from ..drafter.checkpoint import load_drafter
+    from ..loading import load_target
+    from ..training.data import prompt_ids, read_records
+    from ..training.evaluate import evaluate_tau
+
+    manifest_path = src / "manifest.json"
+    if not manifest_path.is_file():
+        raise DFlashError(f"'{src}' has no manifest.json; restore needs an installed demo pair")
+    manifest = json.loads(manifest_path.read_text())
+    try:
+        drafter_run = Path(manifest["installed"]["drafter"]).name
+        ar_run = Path(manifest["installed"]["ar_draft"]).parent.name
+        selection = manifest["selection"]
+        copies = ((src / "target", work / "target" / "final", manifest["target_metrics"]),
+                  (src / "ar-draft", work / ar_run / "final", manifest["ar_draft_metrics"]),
+                  (src / "drafter", work / drafter_run, None))
+    except KeyError as exc:
+        raise DFlashError(f"'{manifest_path}' lacks {exc}; it was not written by `dflash demo build`") from exc
+    work.mkdir(parents=True, exist_ok=True)
+    for source, dest, metrics in copies:
+        if dest.exists():
+            print(f"restore: keeping '{dest}'", flush=True)
+        else:
+            shutil.copytree(source, dest)
+        if metrics is not None and not (dest.parent / "metrics.json").exists():
+            (dest.parent / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    (work / "tokenizer").mkdir(exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if not (work / "tokenizer" / name).exists():
+            shutil.copyfile(src / "target" / name, work / "tokenizer" / name)
+    if not (work / "heldout.jsonl").is_file():
+        write_prompts(work)
+    log = work / drafter_run / "train_log.jsonl"
+    if not log.is_file():
+        model, tokenizer = load_target(work / "target" / "final", torch.device("cpu"), torch.float32)
+        # As `dflash train` measures it at the end of a drafter stage.
+        records = read_records(work / "heldout.jsonl")
+        prompts = [prompt_ids(r, tokenizer)[-(DRAFTER_MAX_LENGTH - 1):] for r in records]
+        drafter = load_drafter(work / drafter_run, dtype=torch.float32)
+        result = evaluate_tau(model, tokenizer, drafter, prompts, DRAFTER_EVAL_TOKENS)
+        log.write_text(json.dumps({"event": "eval", "restored_from": str(src), **result.to_dict()}) + "\n")
+        print(f"restore: {drafter_run} held-out tau {result.tau:.4f} with the restored target", flush=True)
+    (work / "restored.json").write_text(json.dumps({"from": str(src), "selection": selection},
+                                                   indent=2) + "\n")
+
+
 def write_ar_data(work: Path, regenerated: Path | None = None, out: Path | None = None) -> None:
     """The baseline learns from the same target-regenerated text the drafter learned from."""
     regenerated = regenerated or work / "drafter" / "regenerated.jsonl"
@@ -336,18 +400,34 @@ def install(work: Path, dest: Path = DEMO_DIR) -> None:
         "target_metrics": json.loads((work / "target" / "final" / ".." / "metrics.json").read_text()),
         "ar_draft_metrics": json.loads((ar.parent / "metrics.json").read_text()),
         "installed": {"drafter": str(drafter), "ar_draft": str(ar)},
-        "selection": {  # the validation measures final_dirs chose by, for every run that exists
-            "drafter_heldout_tau": {run: _last_eval_tau(work / run) for run in DRAFTER_RUNS
-                                    if (work / run / "model.safetensors").is_file()},
-            "ar_draft_heldout_loss": {run: _heldout_loss(work / run) for run in AR_RUNS
-                                      if (work / run / "metrics.json").is_file()},
-        },
+        "selection": _selection(work),
         "eval": json.loads((work / "eval.json").read_text()),
     }
     (dest / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     from .curves import plot_curves
 
-    plot_curves(work, dest / "training_curves.png")
+    # A restored work directory lacks the earlier runs' logs: their curves stay in the picture installed
+    # with them, and the runs since restoring get a picture of their own.
+    restored = (work / "restored.json").is_file()
+    plot_curves(work, dest / ("training_curves-since-restore.png" if restored else "training_curves.png"))
+
+
+def _selection(work: Path) -> dict:
+    """The validation measures final_dirs chose by, for every run that exists; after a restore, the runs
+    that are gone keep the values recorded when they were installed (marked by the key `restored_from`)."""
+    selection = {
+        "drafter_heldout_tau": {run: _last_eval_tau(work / run) for run in DRAFTER_RUNS
+                                if (work / run / "model.safetensors").is_file()},
+        "ar_draft_heldout_loss": {run: _heldout_loss(work / run) for run in AR_RUNS
+                                  if (work / run / "metrics.json").is_file()},
+    }
+    if (work / "restored.json").is_file():
+        restored = json.loads((work / "restored.json").read_text())
+        for measure, runs in restored["selection"].items():
+            selection[measure] = {**{r: v for r, v in runs.items() if r not in selection[measure]},
+                                  **selection[measure]}
+        selection["restored_from"] = restored["from"]
+    return selection
 
 
 def build(work: Path, stages: list[str]) -> None:
@@ -381,6 +461,8 @@ def build(work: Path, stages: list[str]) -> None:
                 write_ar_data(work, work / f"regenerated-{suffix}.jsonl", work / f"ar-data-{suffix}.jsonl")
         elif stage == "prompts":
             write_prompts(work)
+        elif stage == "restore":
+            restore(work)
         elif stage == "eval":
             evaluate(work)
         elif stage == "install":
@@ -392,3 +474,5 @@ STAGES = ["tokenizer", "target", "prompts", "drafter", "ar-draft", "drafter-exte
           "data-fresh", "drafter-fresh", "ar-fresh", "data-fresh2", "drafter-fresh2", "ar-fresh2", "data-fresh3",
           "drafter-grow3", "ar-fresh3", "eval", "install"]
 FRESH_DATA_STAGES = ("data-fresh", "data-fresh2", "data-fresh3")  # in FRESH_PARTS' order
+# Stages that `--stages all` leaves out: restore seeds a lost work directory from the installed pair.
+EXTRA_STAGES = ("restore",)
