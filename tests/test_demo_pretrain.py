@@ -248,7 +248,7 @@ def test_restore_seeds_a_lost_work_directory_from_an_installed_pair(tmp_path):
     selection = _selection(work)
     assert selection["drafter_heldout_tau"] == {"drafter-spread": 2.9, "drafter-fresh": event["tau"]}  # measured again
     assert selection["ar_draft_heldout_loss"] == {"ar-draft-fresh": 4.4, "ar-draft-fresh2": 4.3}
-    assert selection["restored_from"] == str(src)
+    assert selection["restored_from"] == manifest["installed"]
 
     log = (work / "drafter-fresh" / "train_log.jsonl").read_text() + json.dumps({"event": "eval", "tau": 9.0}) + "\n"
     (work / "drafter-fresh" / "train_log.jsonl").write_text(log)

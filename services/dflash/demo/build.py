@@ -299,7 +299,7 @@ def restore(work: Path, src: Path = DEMO_DIR) -> None:
 
     from ..drafter.checkpoint import load_drafter
     from ..loading import load_target
-    from ..training.data import prompt_ids, read_records
+    from ..training.data import eval_prompt_ids
     from ..training.evaluate import evaluate_tau
 
     manifest_path = src / "manifest.json"
@@ -333,13 +333,13 @@ def restore(work: Path, src: Path = DEMO_DIR) -> None:
     if not log.is_file():
         model, tokenizer = load_target(work / "target" / "final", torch.device("cpu"), torch.float32)
         # As `dflash train` measures it at the end of a drafter stage.
-        records = read_records(work / "heldout.jsonl")
-        prompts = [prompt_ids(r, tokenizer)[-(DRAFTER_MAX_LENGTH - 1):] for r in records]
+        prompts = eval_prompt_ids(work / "heldout.jsonl", tokenizer, DRAFTER_MAX_LENGTH)
         drafter = load_drafter(work / drafter_run, dtype=torch.float32)
         result = evaluate_tau(model, tokenizer, drafter, prompts, DRAFTER_EVAL_TOKENS)
         log.write_text(json.dumps({"event": "eval", "restored_from": str(src), **result.to_dict()}) + "\n")
         print(f"restore: {drafter_run} held-out tau {result.tau:.4f} with the restored target", flush=True)
-    (work / "restored.json").write_text(json.dumps({"from": str(src), "selection": selection},
+    # The runs the installed pair came from name the source in the next manifest (a path would name a machine).
+    (work / "restored.json").write_text(json.dumps({"from": manifest["installed"], "selection": selection},
                                                    indent=2) + "\n")
 
 
@@ -414,7 +414,8 @@ def install(work: Path, dest: Path = DEMO_DIR) -> None:
 
 def _selection(work: Path) -> dict:
     """The validation measures final_dirs chose by, for every run that exists; after a restore, the runs
-    that are gone keep the values recorded when they were installed (marked by the key `restored_from`)."""
+    that are gone keep the values recorded when they were installed (`restored_from` names the installed
+    runs the work directory was seeded from)."""
     selection = {
         "drafter_heldout_tau": {run: _last_eval_tau(work / run) for run in DRAFTER_RUNS
                                 if (work / run / "model.safetensors").is_file()},

@@ -80,6 +80,12 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def eval_prompt_ids(path: str | Path, tokenizer, max_length: int) -> list[list[int]]:
+    """The held-out prompts `dflash train` measures tau on: each prompt's last max_length - 1 tokens, so
+    that the anchor fits too."""
+    return [prompt_ids(r, tokenizer)[-(max_length - 1):] for r in read_records(path)]
+
+
 def prompt_ids(record: dict, tokenizer) -> list[int]:
     """The token ids the target is prompted with (what regeneration continues)."""
     if "prompt_ids" in record:

@@ -13,7 +13,7 @@ from ..drafter.config import DFlashConfig, default_target_layer_ids
 from ..errors import DFlashError
 from ..loading import load_target, resolve_device, resolve_dtype
 from .config import TrainConfig
-from .data import load_samples, prompt_ids, read_records
+from .data import eval_prompt_ids, load_samples
 from .features import CachedFeatures, OnlineFeatures, cache_features
 from .regenerate import regenerate
 from .state import STATE_FILE
@@ -58,7 +58,7 @@ def train(config: TrainConfig) -> Path:
         features = OnlineFeatures(model, layer_ids, with_last_hidden=config.needs_last_hidden)
     eval_prompts = []
     if config.eval_prompts is not None:
-        eval_prompts = [prompt_ids(r, tokenizer)[-(config.max_length - 1):] for r in read_records(config.eval_prompts)]
+        eval_prompts = eval_prompt_ids(config.eval_prompts, tokenizer, config.max_length)
     trainer = Trainer(config, model, drafter_config, samples, features, tokenizer=tokenizer,
                       eval_prompts=eval_prompts, pad_id=pad_id, init_weights=init_weights)
     if config.resume:
