@@ -1,6 +1,8 @@
 """`dflash bench` on tiny models: the table, JSON, plots, greedy check, the round profile, the service
-client and load mode against a loopback gRPC server, and the GPU-scale script in --tiny mode."""
+client against a loopback gRPC server, the load sweep against the real service (Ingress + Verifier on
+the tiny models, minus Ray), and the GPU-scale script in --tiny mode."""
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -12,7 +14,9 @@ import grpc
 import pytest
 from dflash.api.v1 import generate_pb2 as pb
 from dflash.api.v1 import generate_pb2_grpc
-from dflash.bench.load import LoadSettings, percentile, run_load
+from dflash.bench.load import (Record, SweepSettings, add_speedups, method_ratios, percentile, run_sweep,
+                               summarize_cell)
+from dflash.bench.load_report import format_sweep
 from dflash.bench.methods import EngineMethod, Sample, ServiceMethod
 from dflash.bench.profile_round import PARTS, format_profile, profile_round
 from dflash.bench.report import markdown_table, summarize
@@ -20,6 +24,13 @@ from dflash.bench.runner import BenchSettings, run_bench
 from dflash.cli import main
 from dflash.drafter.checkpoint import save_drafter
 from dflash.params import SamplingParams
+from dflash.service.async_stream import iterate_in_thread
+from dflash.service.config import ServiceConfig
+from dflash.service.ingress import Ingress, Rejected
+from dflash.service.parts import build_verifier_engine
+from dflash.service.session_store import MemorySessionStore
+from dflash.service.verifier import Verifier
+from service_fixtures import model_dirs  # noqa: F401
 from tiny import EOS_ID, char_tokenizer, engine_for, tiny_drafter, tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -167,9 +178,11 @@ def test_service_method_equals_target_and_load_mode(engines, serve, tmp_path, ca
     via_service = ServiceMethod("svc", address, block_size=16).run(prompt, 24, 0.0, 0)
     alone = EngineMethod("alone", baseline, 1).run(prompt, 24, 0.0, 0)
     assert via_service.token_ids == alone.token_ids and via_service.committed and via_service.ttft_s > 0
-    result = run_load(LoadSettings(address, clients=3, duration_s=3.0, max_new_tokens=4), [prompt, PROMPTS[0]])
-    assert result["requests"] >= 3 and result["completed"] >= 1 and result["errors"] == {}
-    assert result["tokens_per_s"] > 0 and result["ttft_ms"]["p50"] <= result["ttft_ms"]["p99"]
+    result = run_sweep(SweepSettings(address, (3,), requests_per_stream=1, max_new_tokens=4), [prompt, PROMPTS[0]])
+    assert [(c["method"], c["concurrency"]) for c in result["cells"]] == [("dflash", 3), ("target-only", 3)]
+    for cell in result["cells"]:  # a sweep of one: no c=1 to compare with
+        assert cell["requests"] == 3 and cell["errors"] == 0 and cell["tokens_per_s"] > 0
+        assert cell["ttft_ms"]["p50"] <= cell["ttft_ms"]["p99"] and cell["speedup_vs_c1"] is None
     assert main(["bench", "--load", "2", "--service", address, "--prompts", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
 
@@ -177,11 +190,119 @@ def test_service_method_equals_target_and_load_mode(engines, serve, tmp_path, ca
 def test_load_mode_counts_errors(engines, serve, tmp_path, capsys):
     address = serve(EngineServicer(engines[0], abort=True))
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "x = 1"}) + "\n")
-    assert main(["bench", "--load", "2", "--service", address, "--duration", "0.3", "--prompts",
+    assert main(["bench", "--load", "2", "--service", address, "--duration", "5", "--prompts",
                  str(tmp_path / "p.jsonl"), "--out", str(tmp_path)]) == 0
-    result = json.loads((tmp_path / "load.json").read_text())
-    assert result["errors"].get("RESOURCE_EXHAUSTED", 0) == result["requests"] > 0 and result["completed"] == 0
+    cells = json.loads((tmp_path / "load.json").read_text())["cells"]
+    assert len(cells) == 2
+    for cell in cells:
+        assert cell["error_codes"] == {"RESOURCE_EXHAUSTED": 4} and cell["requests"] == cell["errors"] == 4
+        assert cell["completed"] == cell["tokens"] == 0
     assert "RESOURCE_EXHAUSTED" in capsys.readouterr().out
+
+
+# -- the load sweep against the real service: the Ingress over a Verifier on the tiny models -----------
+
+
+class RealService(generate_pb2_grpc.GenerationServicer):
+    """Generate as IngressDeployment serves it, minus Ray (whose proxy costs tens of seconds to start)."""
+
+    def __init__(self, ingress: Ingress, verifier: Verifier):
+        self.ingress, self.verifier = ingress, verifier
+
+    async def Generate(self, request, context):
+        metadata = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        try:
+            async for chunk in self.ingress.generate(request, metadata, self._open_stream):
+                yield chunk
+        except Rejected as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
+
+    def _open_stream(self, verify, carrier):
+        return iterate_in_thread(lambda cancelled: self.verifier.stream(verify, carrier, cancelled))
+
+
+@pytest.fixture(scope="module")
+def real_service(model_dirs):  # noqa: F811
+    """"127.0.0.1:port" of the real Ingress + Verifier (colocated drafter, block 8) on a grpc.aio server."""
+    target, drafter = model_dirs
+    config = ServiceConfig.from_dict({
+        "model": {"target": str(target), "drafter": str(drafter), "device": "cpu", "dtype": "float32", "name": "tiny"},
+        "redis": {"url": "memory://"}, "metrics": "none"})
+    store = MemorySessionStore()
+    servicer = RealService(Ingress(config), Verifier(build_verifier_engine(config, store, None), store, "tiny"))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start():
+        server = grpc.aio.server()
+        generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    yield f"127.0.0.1:{port}"
+    asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def test_load_sweep_against_the_real_service(real_service, dirs, tmp_path, capsys):
+    out = tmp_path / "load"
+    assert main(["bench", "--load", "1,2", "--service", real_service, "--prompts", str(dirs / "prompts.jsonl"),
+                 "--max-new-tokens", "12", "--requests-per-stream", "2", "--out", str(out)]) == 0
+    data = json.loads((out / "load.json").read_text())
+    cells = {(c["method"], c["concurrency"]): c for c in data["cells"]}
+    assert list(cells) == [("dflash", 1), ("target-only", 1), ("dflash", 2), ("target-only", 2)]  # interleaved
+    for (method, c), cell in cells.items():
+        assert cell["errors"] == 0 and cell["requests"] == cell["completed"] == 2 * c, cell
+        assert cell["tokens"] == 12 * cell["requests"]  # ignore_eos: the same work for every method
+        assert cell["tokens_per_s"] > 0 and cell["speedup_vs_c1"] > 0 and cell["tau"] >= 1.0
+        assert 0 < cell["ttft_ms"]["p50"] <= cell["ttft_ms"]["p99"] and 0 < cell["tpot_ms"]["p50"] <= cell["tpot_ms"]["p99"]
+    assert cells["dflash", 1]["speedup_vs_c1"] == cells["target-only", 1]["speedup_vs_c1"] == 1.0
+    assert cells["target-only", 1]["tau"] == cells["target-only", 2]["tau"] == 1.0
+    ratios = data["ratios"]["dflash/target-only"]
+    assert set(ratios) == {"1", "2"} and all(r > 0 for r in ratios.values())
+    settings = data["settings"]
+    assert settings["concurrencies"] == [1, 2] and settings["requests_per_stream"] == 2 and "token" not in settings
+    assert settings["max_new_tokens"] == 12 and settings["ignore_eos"] and data["machine"]["cpu_count"]
+    assert "--load 1,2" in data["command"] and data["prompts"] == len(PROMPTS)
+    assert (out / "load.png").read_bytes()[:4] == b"\x89PNG"
+    printed = capsys.readouterr().out
+    assert printed.startswith("| c | dflash tok/s | dflash x vs c=1 |") and "dflash/target-only aggregate tok/s: c=1" in printed
+    assert "errors: none" in printed
+
+
+def test_sweep_numbers_and_table_on_hand_made_records():
+    def rec(ttft_s, decode_s, committed):
+        return Record(token_ids=[5] * (1 + sum(committed)), ttft_s=ttft_s, decode_s=decode_s, first_chunk=1,
+                      committed=list(committed), finished=True)
+
+    fast, slow = rec(0.010, 0.9, [3, 3, 3]), rec(0.030, 0.9, [3, 3, 3])  # 10 tokens each, TPOT 100 ms
+    target = rec(0.010, 1.8, [1] * 9)
+    cells = [summarize_cell("dflash", 1, [fast, slow], 2.0), summarize_cell("target-only", 1, [target] * 2, 4.0),
+             summarize_cell("dflash", 2, [fast, slow] * 2, 2.5),
+             summarize_cell("target-only", 2, [target, target, Record(error="RESOURCE_EXHAUSTED: overloaded")], 5.0)]
+    add_speedups(cells)
+    d1, t1, d2, t2 = cells
+    assert d1["tokens_per_s"] == 10.0 and d1["ttft_ms"] == {"p50": 20.0, "p99": 29.8} and d1["tau"] == 3.0
+    assert d1["tpot_ms"] == {"p50": 100.0, "p99": 100.0} and t1["tpot_ms"]["p50"] == 200.0 and t1["tau"] == 1.0
+    assert d2["speedup_vs_c1"] == 1.6 and t2["speedup_vs_c1"] == 0.8 and t2["tokens_per_s"] == 4.0
+    assert t2["errors"] == 1 and t2["error_codes"] == {"RESOURCE_EXHAUSTED": 1} and t2["completed"] == 2
+    result = {"settings": SweepSettings("x:1", (1, 2), max_new_tokens=10, token="secret").public(), "cells": cells,
+              "ratios": method_ratios(cells)}
+    assert result["ratios"] == {"dflash/target-only": {"1": 2.0, "2": 4.0}} and "token" not in result["settings"]
+    text = format_sweep(result)
+    lines = text.splitlines()
+    assert lines[0] == ("| c | dflash tok/s | dflash x vs c=1 | dflash TTFT p50/p99 ms | dflash TPOT p50/p99 ms "
+                        "| target-only tok/s | target-only x vs c=1 | target-only TTFT p50/p99 ms "
+                        "| target-only TPOT p50/p99 ms |")
+    assert lines[2] == "| 1 | 10.0 | 1.00x | 20.0 / 29.8 | 100.0 / 100.0 | 5.0 | 1.00x | 10.0 / 10.0 | 200.0 / 200.0 |"
+    assert lines[3].startswith("| 2 | 16.0 | 1.60x | 20.0 / 30.0 |") and "| 4.0 | 0.80x |" in lines[3]
+    assert "dflash/target-only aggregate tok/s: c=1 2.00x, c=2 4.00x" in text
+    assert "dflash mean tau: c=1 3.00, c=2 3.00" in text
+    assert "errors: target-only c=2 {'RESOURCE_EXHAUSTED': 1}" in text
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -189,6 +310,9 @@ def test_load_mode_counts_errors(engines, serve, tmp_path, capsys):
     (["--temperatures", "0,hot"], "--temperatures"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be positive"),
     (["--load", "2"], "--load needs --service"),
+    (["--load", "1,0"], "--load: concurrencies must be positive"),
+    (["--load", "1,two"], "--load: expected concurrencies"),
+    (["--load", "2", "--requests-per-stream", "0"], "--requests-per-stream must be positive"),
 ])
 def test_bad_arguments_are_refused_before_loading(flags, message, capsys):
     assert main(["bench", *flags]) == 2

@@ -10,8 +10,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 
 from dflash.drafter import DFlashConfig, DFlashDraftModel
 from dflash.drafter.local import LocalDrafter
-from dflash.drafter.protocol import GREEDY
+from dflash.drafter.protocol import GREEDY, Draft
 from dflash.engine import SpeculativeEngine
+from dflash.scheduler import SchedulerConfig
 from dflash.sampling import propose_tokens
 from dflash.target import TargetModel
 
@@ -63,14 +64,30 @@ def tiny_drafter(target_model, block_size: int = 16, num_layers: int = 2, seed: 
     return DFlashDraftModel(config).eval()
 
 
-def engine_for(target_model, drafter_model=None, tokenizer=None, eos=()) -> SpeculativeEngine:
+# Tests verify every proposal unless they test the adaptive policy: round statistics stay deterministic.
+FULL = SchedulerConfig(verify_policy="full")
+
+
+def engine_for(target_model, drafter_model=None, tokenizer=None, eos=(), config=FULL) -> SpeculativeEngine:
     if drafter_model is None:
-        return SpeculativeEngine(TargetModel(target_model), None, tokenizer, eos)
+        return SpeculativeEngine(TargetModel(target_model), None, tokenizer, eos, config)
     target = TargetModel(target_model, drafter_model.config.target_layer_ids)
-    return SpeculativeEngine(target, LocalDrafter(drafter_model, target.embed_tokens, target.lm_head), tokenizer, eos)
+    drafter = LocalDrafter(drafter_model, target.embed_tokens, target.lm_head)
+    return SpeculativeEngine(target, drafter, tokenizer, eos, config)
 
 
-class OracleDrafter:
+class OneSessionAtATime:
+    """`Drafter.draft_batch` for test doubles that implement a one-session `draft`."""
+
+    def draft_batch(self, requests):
+        out = []
+        for r in requests:
+            tokens = self.draft(r.session_id, r.context, r.context_start, r.last_token, r.block_size, r.sampling)
+            out.append(Draft(tokens, torch.ones(tokens.shape[0])))
+        return out
+
+
+class OracleDrafter(OneSessionAtATime):
     """A test double for the `Drafter` protocol that knows the continuation (a "script").
 
     A random drafter almost never agrees with the target, so acceptance lengths > 0 and stops
@@ -105,7 +122,7 @@ class OracleDrafter:
         pass
 
 
-class TargetDistributionDrafter:
+class TargetDistributionDrafter(OneSessionAtATime):
     """A test double whose distribution IS the target's: each proposal comes from the target's own
     logits for the committed tokens (known from `script`, the same request's target-only output) and
     its earlier proposals, picked with `propose_tokens` under the round's DraftSampling (or always its
@@ -140,7 +157,7 @@ class TargetDistributionDrafter:
 def oracle_engine(target_model, prompt_ids, script, error_rate=0.2, tokenizer=None, eos=(), seed=0, block_size=16):
     drafter = OracleDrafter(len(prompt_ids), script, block_size, error_rate, seed)
     target = TargetModel(target_model, (0,))
-    return SpeculativeEngine(target, drafter, tokenizer, eos)
+    return SpeculativeEngine(target, drafter, tokenizer, eos, FULL)
 
 
 def hf_greedy(model, prompt_ids, max_new_tokens, eos=None) -> list[int]:

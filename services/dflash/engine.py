@@ -1,28 +1,42 @@
-"""The DFlash decode loop: prefill, draft, verify, accept, commit, trim caches.
+"""The DFlash engine: many requests, one step at a time: schedule, draft all, verify all in one forward,
+accept and commit each.
 
-One request at a time reads like the paper. Each round is split into `propose` (drafter),
-`verify` (target forward) and `commit` (pure acceptance plus cache trimming) so that a scheduler
-can later verify the blocks of several requests in one batched forward.
+A step reads like the paper's round, for every running session at once:
+    plan = schedule()                     # who decodes, which prompt chunks are prefilled
+    drafts = drafter.draft_batch(...)     # one drafter forward per replica for all decoding sessions
+    k = verify lengths                    # adaptive: what pays at this batch on this device
+    outs = target.forward(...)            # ONE packed forward: verify blocks + prefill chunks
+    accept, commit, emit per session      # the pure round functions of rounds.py
+A single request is the same path with one session. There is no engine thread: whichever request's
+stream needs output next runs the step (under the engine's lock), for everyone.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 
-from .drafter.protocol import Drafter
+from .drafter.protocol import Draft, Drafter, DraftRequest
 from .errors import DFlashError, InvalidRequestError
 from .generation import Generation, RoundOutput
 from .params import SamplingParams
 from .rounds import accept_length, committed_tokens, cut_at_stop
 from .sampling import sample_tokens
+from .scheduler import Scheduler, SchedulerConfig, StepPlan
 from .stats import GenerationStats, RoundStats
-from .target import TargetModel
+from .target import ForwardItem, TargetModel
 from .textstream import TextStream
+from .verify_policy import CostCurve, choose_verify_lengths, measure_cost_curve
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,6 +45,34 @@ class GenerationResult:
     text: str
     finish_reason: str
     stats: GenerationStats
+
+
+@dataclass
+class StepReport:
+    """What one step did, for metrics and traces (times from time.time_ns)."""
+
+    start_ns: int
+    end_ns: int
+    draft_ms: float
+    verify_ms: float
+    num_tokens: int
+    rounds: list[tuple[Generation, RoundOutput]] = field(default_factory=list)
+    verify_lengths: list[int] = field(default_factory=list)
+    prefill_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+
+
+class StepObserver(Protocol):
+    """Told about every step (metrics, tracing); called under the engine's lock, so keep it quick."""
+
+    def step_scope(self) -> AbstractContextManager:
+        """Entered around each step (a tracing span, say)."""
+        ...
+
+    def on_step(self, report: StepReport) -> None:
+        """At the end of each step, inside its scope."""
+        ...
 
 
 class SpeculativeEngine:
@@ -42,13 +84,24 @@ class SpeculativeEngine:
         drafter: Drafter | None = None,
         tokenizer=None,
         eos_token_ids: Iterable[int] = (),
+        config: SchedulerConfig = SchedulerConfig(),
+        cost_curve: CostCurve | None = None,
+        observer: StepObserver | None = None,
     ):
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.config = config
+        self.cache = target.new_cache(config.cache_tokens)
+        self.scheduler = Scheduler(config, self.cache)
+        self.observer = observer
+        self._lock = threading.RLock()
+        self.cost_curve = cost_curve
+        if self.cost_curve is None and drafter is not None and config.verify_policy == "adaptive":
+            self.cost_curve = self._measure_cost_curve()
 
-    # -- the loop ---------------------------------------------------------------------------------
+    # -- requests ---------------------------------------------------------------------------------
 
     def generate(
         self,
@@ -57,84 +110,16 @@ class SpeculativeEngine:
         request_id: str | None = None,
         committed_ids: list[int] | None = None,
         seed: int | None = None,
+        trace_context: object = None,
     ) -> Iterator[RoundOutput]:
-        """Stream rounds: the prefill round (first token), then one per draft-and-verify round."""
+        """Stream rounds: the prefill round (first token), then one per draft-and-verify round.
+
+        Raises InvalidRequestError (a bad field) or QueueFullError at once, before the first round.
+        """
         gen = self.start(prompt_ids, params, request_id, committed_ids, seed)
-        try:
-            yield self.prefill(gen)
-            while not gen.finished:
-                yield self.step(gen)
-        finally:
-            self.release(gen)
-
-    def prefill(self, gen: Generation) -> RoundOutput:
-        """Run the prompt through the target and sample the first token.
-
-        A resumed request (output_ids already committed) re-prefills prompt + committed tokens but
-        the last, samples nothing, and yields an empty round: its caches are rebuilt, its text not.
-        """
-        t0 = time.perf_counter()
-        resumed = bool(gen.output_ids)
-        seq = gen.prompt_ids + gen.output_ids[:-1]
-        out = self.target.forward(seq, 0, gen.cache, last_only=True)
-        if gen.block_size > 1:
-            gen.pending_features = out.features
-        if resumed:
-            return RoundOutput([], "", RoundStats(0, 0, 0, 0, 0, 0.0, self._ms_since(t0)), gen.stats, None)
-        first = sample_tokens(out.logits[-1:], gen.params, gen.seed, len(gen.prompt_ids))
-        verify_ms = self._ms_since(t0)
-        return self._emit(gen, [int(first.item())], RoundStats(0, 0, 0, 1, 0, 0.0, verify_ms))
-
-    def step(self, gen: Generation) -> RoundOutput:
-        """One round: draft a block, verify it in one target forward, commit the agreed prefix + bonus."""
-        size = self._round_block_size(gen)
-        t0 = time.perf_counter()
-        draft = self.propose(gen, size)
-        t1 = time.perf_counter()
-        draft_ms = (t1 - t0) * 1000
-        out = self.target.forward([gen.last_token] + draft.tolist(), gen.position, gen.cache)
-        posterior = sample_tokens(out.logits, gen.params, gen.seed, gen.position + 1).cpu()
-        accepted = accept_length(draft, posterior)
-        new_tokens = committed_tokens(draft, posterior, accepted)
-        self.commit(gen, accepted, out.features)
-        stats = RoundStats(gen.num_rounds + 1, len(draft), accepted, accepted + 1, 0, draft_ms, self._ms_since(t1))
-        return self._emit(gen, new_tokens, stats)
-
-    def propose(self, gen: Generation, size: int) -> torch.Tensor:
-        """Draft tokens [at most size - 1] on the CPU (the confidence cut may keep fewer); empty when
-        drafting is off for this round.
-
-        The drafter always fills the block it was trained on (as far as the context window allows)
-        and the round keeps the first size - 1 proposals: a smaller block size shortens what the
-        target verifies, not the block the drafter sees, because a block of another length (fewer
-        mask slots to attend to) is one it never saw in training.
-        """
-        if size == 1:
-            return torch.empty(0, dtype=torch.long)
-        room = self.target.max_positions - 1 - gen.position
-        drafted = max(size, min(self.drafter.block_size, room))
-        context = gen.pending_features
-        draft = self.drafter.draft(gen.request_id, context, gen.drafter_start, gen.last_token, drafted,
-                                   gen.draft_sampling)
-        gen.drafter_start += context.shape[0]
-        gen.pending_features = None
-        return draft[: size - 1].to("cpu", torch.long)
-
-    def commit(self, gen: Generation, accepted: int, features: torch.Tensor) -> None:
-        """Keep the target cache up to the last accepted block token; queue its features for the drafter."""
-        self.target.crop(gen.cache, gen.position + accepted + 1)
-        if gen.block_size > 1:
-            kept = features[: accepted + 1]
-            pending = gen.pending_features
-            gen.pending_features = kept if pending is None else torch.cat([pending, kept])
-
-    def release(self, gen: Generation) -> None:
-        gen.cache = None
-        gen.pending_features = None
-        if self.drafter is not None and gen.block_size > 1:
-            self.drafter.release(gen.request_id)
-
-    # -- requests ---------------------------------------------------------------------------------
+        gen.trace_context = trace_context
+        self.submit(gen)
+        return self.stream(gen)
 
     def start(
         self,
@@ -144,7 +129,7 @@ class SpeculativeEngine:
         committed_ids: list[int] | None = None,
         seed: int | None = None,
     ) -> Generation:
-        """Validate a request and build its state; raises InvalidRequestError naming the bad field.
+        """Validate a request and build its state (not yet queued); raises InvalidRequestError naming the field.
 
         To resume a request whose caches were lost, pass the tokens it already committed and the seed
         it used: generation continues exactly where it stopped (nothing repeated, nothing lost).
@@ -160,7 +145,6 @@ class SpeculativeEngine:
             params=params,
             block_size=block_size,
             stop_token_ids=stops,
-            cache=self.target.new_cache(),
             text=TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None,
         )
         if seed is not None or params.seed is not None:
@@ -173,7 +157,41 @@ class SpeculativeEngine:
             if gen.text is not None:
                 gen.text.push(gen.output_ids)
                 gen.text.emitted = len(gen.text.text)  # already streamed before the interruption
+        gen.prefill_ids = gen.prompt_ids + gen.output_ids[:-1]
         return gen
+
+    def submit(self, gen: Generation) -> None:
+        """Queue a request for the step loop; QueueFullError when the queue is full."""
+        reserve = min(len(gen.prompt_ids) + gen.params.max_new_tokens + gen.block_size, self.target.max_positions)
+        with self._lock:
+            self.scheduler.add(gen, reserve)
+
+    def stream(self, gen: Generation) -> Iterator[RoundOutput]:
+        """The rounds of a submitted request, running steps (for every session) while it needs output.
+        Closing the iterator early cancels the request and frees its cache."""
+        try:
+            while True:
+                if gen.outbox:
+                    out = gen.outbox.popleft()
+                    yield out
+                    if out.finish_reason is not None:
+                        return
+                elif gen.error is not None:
+                    raise gen.error
+                elif gen.cancelled:
+                    return
+                else:
+                    self.step(waiter=gen)
+        finally:
+            if not gen.finished:
+                self.cancel(gen)
+
+    def cancel(self, gen: Generation) -> None:
+        """Stop a request between steps and free its caches (no effect on the others)."""
+        with self._lock:
+            if not gen.finished:
+                gen.cancelled = True
+            self._retire(gen)
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         """Generate to the end and collect the stream."""
@@ -186,6 +204,141 @@ class SpeculativeEngine:
         if self.tokenizer is None:
             raise DFlashError("this engine has no tokenizer; pass token ids")
         return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def step(self, waiter: Generation | None = None) -> bool:
+        """Run one step for every running session; False when there was nothing to do. With `waiter`,
+        only if that request still needs output (another stream's step may have produced it)."""
+        with self._lock:
+            if waiter is not None and (waiter.outbox or waiter.done):
+                return True
+            plan = self.scheduler.schedule()
+            if not plan:
+                return False
+            try:
+                with self.observer.step_scope() if self.observer is not None else nullcontext():
+                    self._run(plan)
+            except Exception as exc:  # noqa: BLE001 - the step's sessions fail, the engine serves on
+                log.exception("step failed for %d sessions", len(plan.decodes) + len(plan.prefills))
+                for gen in plan.decodes + [g for g, _ in plan.prefills]:
+                    gen.error = exc
+            for gen in list(self.scheduler.running):
+                if gen.done:
+                    self._retire(gen)
+            return True
+
+    def _run(self, plan: StepPlan) -> None:
+        start_ns, t0 = time.time_ns(), time.perf_counter()
+        sizes = [self._round_block_size(g) for g in plan.decodes]
+        drafts = self._propose(plan.decodes, sizes)
+        t1 = time.perf_counter()
+        prefill_tokens = sum(n for _, n in plan.prefills)
+        lengths = self._verify_lengths(drafts, len(plan.decodes) + prefill_tokens)
+        verified = [d.tokens[:k] for d, k in zip(drafts, lengths)]
+        items = [ForwardItem(g.request_id, (g.last_token, *v.tolist()), g.position)
+                 for g, v in zip(plan.decodes, verified)]
+        items += [ForwardItem(g.request_id, tuple(g.prefill_ids[g.num_cached : g.num_cached + n]), g.num_cached,
+                              last_only=True) for g, n in plan.prefills]
+        outs = self.target.forward(self.cache, items)
+        draft_ms, verify_ms = (t1 - t0) * 1000, self._ms_since(t1)
+        report = StepReport(start_ns, 0, draft_ms, verify_ms, sum(len(i.token_ids) for i in items),
+                            verify_lengths=lengths, prefill_tokens=prefill_tokens)
+        for gen, draft, tokens, out in zip(plan.decodes, drafts, verified, outs):
+            round_out = self._verify_round(gen, tokens, out, draft_ms, verify_ms, draft.replica)
+            report.rounds.append((gen, round_out))
+        for (gen, n), out in zip(plan.prefills, outs[len(plan.decodes):]):
+            round_out = self._prefill_chunk(gen, n, out, verify_ms)
+            if round_out is not None:
+                report.rounds.append((gen, round_out))
+        for gen, round_out in report.rounds:
+            gen.outbox.append(round_out)
+        report.end_ns = time.time_ns()
+        report.num_running, report.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
+        if self.observer is not None:
+            self.observer.on_step(report)
+
+    def _propose(self, decodes: list[Generation], sizes: list[int]) -> list[Draft]:
+        """Drafts for every decoding session in one drafter call; Draft.none() where the round drafts nothing.
+
+        The drafter always fills the block it was trained on (as far as the context window allows)
+        and the round keeps the first size - 1 proposals: a smaller block size shortens what the
+        target verifies, not the block the drafter sees, because a block of another length (fewer
+        mask slots to attend to) is one it never saw in training.
+        """
+        drafts = [Draft.none() for _ in decodes]
+        asks = [(i, g) for i, (g, size) in enumerate(zip(decodes, sizes)) if size > 1]
+        if not asks:
+            return drafts
+        requests = []
+        for _, g in asks:
+            room = self.target.max_positions - 1 - g.position
+            drafted = max(self._round_block_size(g), min(self.drafter.block_size, room))
+            requests.append(DraftRequest(g.request_id, g.pending_features, g.drafter_start, g.last_token, drafted,
+                                         g.draft_sampling))
+        for (i, g), r, d in zip(asks, requests, self.drafter.draft_batch(requests)):
+            g.drafter_start += r.context.shape[0]
+            g.pending_features = None
+            drafts[i] = Draft(d.tokens[: sizes[i] - 1].to("cpu", torch.long), d.probs[: sizes[i] - 1], d.replica)
+        return drafts
+
+    def _verify_lengths(self, drafts: list[Draft], base_tokens: int) -> list[int]:
+        if self.config.verify_policy == "full" or self.cost_curve is None:
+            return [d.tokens.shape[0] for d in drafts]
+        return choose_verify_lengths([d.probs for d in drafts], base_tokens, self.cost_curve)
+
+    def _verify_round(self, gen: Generation, draft: torch.Tensor, out, draft_ms: float, verify_ms: float,
+                      drafter: str) -> RoundOutput:
+        """Accept the agreed prefix of the draft plus the bonus token; keep the cache up to it."""
+        posterior = sample_tokens(out.logits, gen.params, gen.seed, gen.position + 1).cpu()
+        accepted = accept_length(draft, posterior)
+        new_tokens = committed_tokens(draft, posterior, accepted)
+        self.cache.crop(gen.request_id, gen.position + accepted + 1)
+        if gen.block_size > 1:
+            self._queue_features(gen, out.features[: accepted + 1])
+        stats = RoundStats(gen.num_rounds + 1, len(draft), accepted, accepted + 1, 0, draft_ms, verify_ms, drafter)
+        return self._emit(gen, new_tokens, stats)
+
+    def _prefill_chunk(self, gen: Generation, n: int, out, verify_ms: float) -> RoundOutput | None:
+        """A chunk of the prompt is in the cache; after the last one, sample the first token.
+
+        A resumed request (output_ids already committed) re-prefills prompt + committed tokens but
+        the last, samples nothing, and yields an empty round: its caches are rebuilt, its text not.
+        """
+        gen.num_cached += n
+        if gen.block_size > 1:
+            self._queue_features(gen, out.features)
+        if gen.prefilling:
+            return None
+        if gen.output_ids:
+            return RoundOutput([], "", RoundStats(0, 0, 0, 0, 0, 0.0, verify_ms), gen.stats, None)
+        first = sample_tokens(out.logits[-1:], gen.params, gen.seed, len(gen.prompt_ids))
+        return self._emit(gen, [int(first.item())], RoundStats(0, 0, 0, 1, 0, 0.0, verify_ms))
+
+    @staticmethod
+    def _queue_features(gen: Generation, features: torch.Tensor) -> None:
+        pending = gen.pending_features
+        gen.pending_features = features if pending is None else torch.cat([pending, features])
+
+    def _retire(self, gen: Generation) -> None:
+        if gen.retired:
+            return
+        gen.retired = True
+        self.scheduler.retire(gen)
+        gen.pending_features = None
+        if self.drafter is not None and gen.block_size > 1:
+            try:
+                self.drafter.release(gen.request_id)
+            except DFlashError:
+                log.warning("drafter release failed for %s", gen.request_id)
 
     # -- bookkeeping ------------------------------------------------------------------------------
 
@@ -250,3 +403,19 @@ class SpeculativeEngine:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize()
         return (time.perf_counter() - t0) * 1000
+
+    def _measure_cost_curve(self) -> CostCurve:
+        """The target's forward time against packed tokens, on this device, on a throwaway cache."""
+        context = min(128, self.target.max_positions // 2)
+        most = min(self.config.max_step_tokens, self.target.max_positions - context - 1)
+        scratch = self.target.new_cache(context + most)
+        scratch.reserve("cost", context + most)
+        self.target.forward(scratch, [ForwardItem("cost", (0,) * context, 0, last_only=True)])
+
+        def forward(n: int) -> None:
+            scratch.crop("cost", context)
+            self.target.forward(scratch, [ForwardItem("cost", (0,) * n, context)])
+
+        curve = measure_cost_curve(forward, max(most, 1))
+        log.info("target cost curve (tokens -> ms): %s", dict(zip(curve.tokens, (round(m, 2) for m in curve.ms))))
+        return curve

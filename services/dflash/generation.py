@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -35,9 +36,13 @@ class Generation:
     """One request in flight.
 
     Sequence positions: prompt tokens, then `output_ids`. The last committed token sits at `position`
-    and has not been through the target yet; the target cache holds positions [0, position).
-    `pending_features` are target features of positions [drafter_start, position) that the drafter
-    has not seen. GPU caches are disposable: prompt_ids + output_ids + seed rebuild everything.
+    and has not been through the target yet; once prefilled, the target cache holds positions
+    [0, position). Until then `num_cached` counts the prefilled positions of `prefill_ids` (the prompt,
+    or prompt + committed tokens but the last for a resumed request), which the scheduler feeds in
+    chunks. `pending_features` are target features of positions [drafter_start, num_cached) that the
+    drafter has not seen. GPU caches are disposable: prompt_ids + output_ids + seed rebuild everything.
+
+    The engine appends what each step adds for this request to `outbox`; the request's stream reads it.
     """
 
     request_id: str
@@ -45,7 +50,6 @@ class Generation:
     params: SamplingParams
     block_size: int
     stop_token_ids: frozenset[int]
-    cache: object
     seed: int = field(default_factory=lambda: secrets.randbits(62))
     output_ids: list[int] = field(default_factory=list)
     pending_features: torch.Tensor | None = None
@@ -56,6 +60,15 @@ class Generation:
     first_token_at: float | None = None
     finish_reason: str | None = None
     num_rounds: int = 0
+    prefill_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    reserved_tokens: int = 0
+    outbox: deque = field(default_factory=deque)
+    cancelled: bool = False
+    retired: bool = False
+    error: BaseException | None = None
+    trace_context: object = None
+    """An OpenTelemetry context the request's round spans are children of (None: untraced)."""
 
     @cached_property
     def draft_sampling(self) -> DraftSampling:
@@ -77,3 +90,12 @@ class Generation:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_cached < len(self.prefill_ids)
+
+    @property
+    def done(self) -> bool:
+        """Nothing more will be computed for it: finished, cancelled or failed."""
+        return self.finished or self.cancelled or self.error is not None

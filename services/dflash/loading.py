@@ -11,6 +11,7 @@ from .drafter.checkpoint import check_compatible, load_drafter, resolve_dir
 from .drafter.local import LocalDrafter
 from .engine import SpeculativeEngine
 from .errors import CheckpointError, DFlashError
+from .scheduler import SchedulerConfig
 from .target import TargetModel
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -76,16 +77,17 @@ def build_engine(
     *,
     device: str = "auto",
     dtype: str = "auto",
+    scheduler: SchedulerConfig = SchedulerConfig(),
 ) -> SpeculativeEngine:
     """Target (+ drafter) directories in, a ready engine out; mismatches raise CheckpointError."""
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     model, tokenizer = load_target(target, dev, torch_dtype)
     if drafter is None:
-        return SpeculativeEngine(TargetModel(model), None, tokenizer, eos_ids(model))
+        return SpeculativeEngine(TargetModel(model), None, tokenizer, eos_ids(model), scheduler)
     draft_model = load_drafter(drafter, device=dev, dtype=model.dtype)
     embed = model.get_input_embeddings()
     check_compatible(draft_model.config, model.config, embed.weight.shape[0])
     target_model = TargetModel(model, draft_model.config.target_layer_ids)
     local = LocalDrafter(draft_model, target_model.embed_tokens, target_model.lm_head)
-    return SpeculativeEngine(target_model, local, tokenizer, eos_ids(model))
+    return SpeculativeEngine(target_model, local, tokenizer, eos_ids(model), scheduler)

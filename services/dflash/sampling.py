@@ -82,7 +82,8 @@ def propose_tokens(
     if rule.greedy:
         if not with_probs:
             return logits.argmax(dim=-1), None
-        probs, tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        tokens = logits.argmax(dim=-1)
+        probs = torch.softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         return tokens, probs
     logprobs = filter_logits(logits, rule)
     tokens = _gumbel_argmax(logprobs, rule.seed, first_position)

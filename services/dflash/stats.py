@@ -21,6 +21,7 @@ class RoundStats:
     emitted: int
     draft_ms: float
     verify_ms: float
+    drafter: str = ""  # the replica that drafted the round ("local" in process, "" for none: target-only)
 
 
 @dataclass

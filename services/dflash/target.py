@@ -1,16 +1,15 @@
-"""The target model: one forward both prefills and verifies, returning logits and the drafter's features."""
+"""The target model: one packed forward prefills and verifies many sessions, returning logits and features."""
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-
-# transformers >= 5.2x crops by a negative count of tokens to remove; earlier releases by the new length.
-_CROP_TAKES_COUNT = "tokens_to_remove" in inspect.signature(DynamicCache.crop).parameters
+from . import packed_attention
+from .kv_cache import CacheShape, KVCache
+from .packed_attention import NO_MASK, PackedBatch
 
 
 @dataclass
@@ -21,22 +20,39 @@ class TargetOutput:
     features: torch.Tensor
 
 
+@dataclass(frozen=True)
+class ForwardItem:
+    """One session's part of a packed forward: `token_ids` at absolute positions start.., onto a cache
+    holding exactly `start` positions; `last_only` keeps the logits of the last token only (prefill)."""
+
+    session_id: str
+    token_ids: tuple[int, ...]
+    start: int
+    last_only: bool = False
+
+
 class TargetModel:
-    """Wraps any Hugging Face causal LM.
+    """Wraps any Hugging Face causal LM whose attention goes through transformers' AttentionInterface.
 
     `layer_ids` are decoder-layer indices; the output of decoder layer i is `hidden_states[i + 1]`
-    (index 0 is the embedding output). Caches are transformers `DynamicCache`s owned by the caller.
+    (index 0 is the embedding output). The model's attention is switched to `packed_attention`, which
+    is plain SDPA unless a packed batch is passed, so the model still works elsewhere (`generate()`).
     """
 
     def __init__(self, model: PreTrainedModel, layer_ids: tuple[int, ...] = ()):
         self.model = model.eval()
+        self.model.set_attn_implementation(packed_attention.IMPLEMENTATION)
         self.layer_ids = tuple(layer_ids)
         text = model.config.get_text_config()
         self.vocab_size = text.vocab_size
         self.max_positions = getattr(text, "max_position_embeddings", None) or (1 << 30)
-        params = inspect.signature(model.forward).parameters
-        # transformers renames past_key_values to cache (deprecated from 5.x, removed in 5.40).
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.cache_shape = CacheShape(
+            num_layers=text.num_hidden_layers,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+            dtype=model.dtype,
+            device=model.device,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -50,35 +66,41 @@ class TargetModel:
     def lm_head(self) -> torch.nn.Module:
         return self.model.get_output_embeddings()
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+    def new_cache(self, budget_tokens: int) -> KVCache:
+        """A cache for many sessions holding at most `budget_tokens` positions in all."""
+        return KVCache(self.cache_shape, budget_tokens)
 
     @torch.inference_mode()
-    def forward(self, token_ids: list[int] | torch.Tensor, start: int, cache: DynamicCache, last_only: bool = False):
-        """Run tokens at absolute positions start.. through the model, extending `cache`.
+    def forward(self, cache: KVCache, items: list[ForwardItem]) -> list[TargetOutput]:
+        """One forward over every item's tokens, extending each session's cache; outputs in item order.
 
-        The cache must hold exactly `start` positions. Returns TargetOutput; with last_only, logits
-        of the last position only (prefill), features always for every position.
+        Logits for every token of an item (or its last with last_only), features for every token.
         """
-        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).view(1, -1)
-        positions = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
+        batch = PackedBatch(cache, tuple(i.session_id for i in items), tuple(i.start for i in items),
+                            tuple(len(i.token_ids) for i in items))
+        ids = torch.tensor([t for i in items for t in i.token_ids], dtype=torch.long, device=self.device)
+        keep = []
+        for item, offset in zip(items, batch.offsets):
+            n = len(item.token_ids)
+            keep.extend([offset + n - 1] if item.last_only else range(offset, offset + n))
         out = self.model(
-            input_ids=ids,
-            position_ids=positions,
-            use_cache=True,
+            input_ids=ids.unsqueeze(0),
+            position_ids=batch.positions(self.device),
+            attention_mask=NO_MASK,
+            use_cache=False,
             output_hidden_states=bool(self.layer_ids),
-            logits_to_keep=1 if last_only else 0,
-            **{self._cache_kwarg: cache},
+            logits_to_keep=torch.tensor(keep, device=self.device),
+            dflash_batch=batch,
         )
+        logits = out.logits[0].float()
         if self.layer_ids:
             features = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
         else:
-            features = ids.new_zeros((ids.shape[1], 0), dtype=torch.float32)
-        return TargetOutput(logits=out.logits[0].float(), features=features)
-
-    @staticmethod
-    def crop(cache: DynamicCache, length: int) -> None:
-        """Roll the cache back to its first `length` positions (drop rejected draft tokens)."""
-        extra = cache.get_seq_length() - length
-        if extra > 0:
-            cache.crop(-extra if _CROP_TAKES_COUNT else length)
+            features = ids.new_zeros((ids.shape[0], 0), dtype=torch.float32)
+        results, row = [], 0
+        for item, offset in zip(items, batch.offsets):
+            n = len(item.token_ids)
+            kept = 1 if item.last_only else n
+            results.append(TargetOutput(logits[row : row + kept], features[offset : offset + n]))
+            row += kept
+        return results

@@ -1,4 +1,5 @@
-"""Service load mode: N concurrent streaming gRPC clients for a fixed time, and the one-request client.
+"""Service load mode: a sweep over concurrencies, DFlash beside target only through one running
+service, a fixed amount of work per cell; and the one-request streaming client it is built on.
 
 No torch here: this is a plain gRPC client of the public `dflash.v1.Generation` API.
 """
@@ -8,11 +9,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ..errors import DFlashError
 
 CONNECT_TIMEOUT_S = 5.0
+REQUEST_TIMEOUT_S = 600.0
 
 
 class Client:
@@ -49,7 +51,7 @@ class Record:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     first_chunk: int = 0
-    committed: list[int] = field(default_factory=list)
+    committed: list[int] = field(default_factory=list)  # per verify round (the prefill round left out)
     draft_s: float = 0.0
     verify_s: float = 0.0
     finished: bool = False
@@ -61,27 +63,29 @@ class Record:
         return self.decode_s / n if self.finished and n > 0 else None
 
 
-def make_request(prompt, max_new_tokens, temperature, seed, block_size):
-    """A GenerateRequest; `prompt` is text (the server encodes it) or a list of token ids."""
+def make_request(prompt, max_new_tokens, temperature, seed, block_size, ignore_eos: bool = False):
+    """A GenerateRequest; `prompt` is text (the server encodes it) or a list of token ids; `block_size`
+    None leaves the field unset (the service's default block), 1 runs the target alone."""
     from ..api.v1 import generate_pb2
 
     text = isinstance(prompt, str)
     kwargs = dict(prompt=prompt if text else "", prompt_token_ids=[] if text else list(prompt),
-                  max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+                  max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, ignore_eos=ignore_eos)
     if block_size is not None:
         kwargs["block_size"] = block_size
     return generate_pb2.GenerateRequest(**kwargs)
 
 
-def stream_request(client: Client, prompt_ids, max_new_tokens, temperature, seed, block_size=None, timeout_s=600.0,
-                   deadline: float | None = None) -> Record:
+def stream_request(client: Client, prompt_ids, max_new_tokens, temperature, seed, block_size=None,
+                   timeout_s=REQUEST_TIMEOUT_S, deadline: float | None = None, ignore_eos: bool = False) -> Record:
     """Stream one `Generate` call; stop listening (cancel) at `deadline` (perf_counter time) if given."""
     import grpc
 
     rec = Record()
     start = time.perf_counter()
     first_at = last_at = None
-    call = client.generate(make_request(prompt_ids, max_new_tokens, temperature, seed, block_size), timeout_s)
+    call = client.generate(make_request(prompt_ids, max_new_tokens, temperature, seed, block_size, ignore_eos),
+                           timeout_s)
     try:
         for chunk in call:
             now = time.perf_counter()
@@ -107,65 +111,152 @@ def stream_request(client: Client, prompt_ids, max_new_tokens, temperature, seed
     return rec
 
 
+# -- the sweep -------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
-class LoadSettings:
+class LoadMethod:
+    """What one method puts in the request: `block_size` None leaves it unset (the service's default)."""
+
+    name: str
+    block_size: int | None
+
+
+METHODS = (LoadMethod("dflash", None), LoadMethod("target-only", 1))
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    """One sweep: at each concurrency c, each method runs c streams of `requests_per_stream` requests."""
+
     address: str
-    clients: int
-    duration_s: float
+    concurrencies: tuple[int, ...]
+    requests_per_stream: int = 2
     max_new_tokens: int = 128
     temperature: float = 0.0
-    block_size: int | None = None
-    token: str = ""
+    ignore_eos: bool = True  # every request then generates exactly max_new_tokens: the same work per cell
+    duration_s: float | None = None  # a cap per cell: no request starts after it, those streaming are cancelled
+    warmup_requests: int = 1  # per method, before the sweep, not counted
+    methods: tuple[LoadMethod, ...] = METHODS
+    token: str = field(default="", repr=False)
+
+    def public(self) -> dict:
+        """The settings as written to load.json (no token)."""
+        d = asdict(self)
+        del d["token"]
+        return d
 
 
-def run_load(settings: LoadSettings, prompts: list) -> dict:
-    """Run `clients` threads, each sending one streaming request after another until the time is up.
+def parse_concurrencies(text: str) -> tuple[int, ...]:
+    """"1,2,4" -> (1, 2, 4): distinct, ascending; DFlashError for anything but positive integers."""
+    try:
+        values = {int(v) for v in str(text).split(",") if v.strip()}
+    except ValueError:
+        raise DFlashError(f"--load: expected concurrencies like 1,2,4,8, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise DFlashError(f"--load: concurrencies must be positive integers, got {text!r}")
+    return tuple(sorted(values))
 
-    Tokens count while they arrive inside the window; requests still streaming at the end are
-    cancelled (their TTFT counts if they got a first token, their TPOT does not).
-    """
+
+def run_sweep(settings: SweepSettings, prompts: list, progress=None) -> dict:
+    """Every (concurrency, method) cell, the methods interleaved at each concurrency so that drift in
+    the machine's speed hits both alike; `progress(cell)` is called as each cell finishes."""
     if not prompts:
         raise DFlashError("the load mode needs at least one prompt")
     client = connect(settings.address, settings.token)
-    records: list[Record] = []
-    lock = threading.Lock()
-    start = time.perf_counter()
-    deadline = start + settings.duration_s
+    for method in settings.methods:
+        for i in range(settings.warmup_requests):
+            _one(client, settings, method, prompts[i % len(prompts)], i, None)
+    cells = []
+    for concurrency in settings.concurrencies:
+        for method in settings.methods:
+            records, wall_s = run_cell(client, settings, method, concurrency, prompts)
+            cells.append(summarize_cell(method.name, concurrency, records, wall_s))
+            if progress is not None:
+                progress(cells[-1])
+    add_speedups(cells)
+    return {"settings": settings.public(), "cells": cells, "ratios": method_ratios(cells, settings.methods)}
 
-    def worker(k: int) -> None:
-        i = k
-        while time.perf_counter() < deadline:
-            try:
-                rec = stream_request(client, prompts[i % len(prompts)], settings.max_new_tokens,
-                                     settings.temperature, seed=i, block_size=settings.block_size, deadline=deadline)
-            except Exception as exc:  # a client bug must show up in the result, not vanish with its thread
-                rec = Record(error=f"CLIENT: {type(exc).__name__}: {exc}")
-            with lock:
-                records.append(rec)
-            i += settings.clients
 
-    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(settings.clients)]
+def run_cell(client: Client, settings: SweepSettings, method: LoadMethod, concurrency: int,
+             prompts: list) -> tuple[list[Record], float]:
+    """`concurrency` streams, each sending `requests_per_stream` requests one after another; stream k's
+    j-th request is request r = j * concurrency + k: prompt r (cycling), seed r. Returns the records and
+    the cell's wall time, from the common start to the end of the last stream."""
+    starts: list[float] = []
+    barrier = threading.Barrier(concurrency, action=lambda: starts.append(time.perf_counter()))
+    records: list[list[Record]] = [[] for _ in range(concurrency)]
+    ends = [0.0] * concurrency
+
+    def stream(k: int) -> None:
+        barrier.wait()
+        deadline = starts[0] + settings.duration_s if settings.duration_s else None
+        for j in range(settings.requests_per_stream):
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+            r = j * concurrency + k
+            records[k].append(_one(client, settings, method, prompts[r % len(prompts)], r, deadline))
+        ends[k] = time.perf_counter()
+
+    threads = [threading.Thread(target=stream, args=(k,), daemon=True) for k in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return summarize_load(settings, records, time.perf_counter() - start)
+    return [r for rs in records for r in rs], max(ends) - starts[0]
 
 
-def summarize_load(settings: LoadSettings, records: list[Record], wall_s: float) -> dict:
+def _one(client: Client, settings: SweepSettings, method: LoadMethod, prompt, seed: int,
+         deadline: float | None) -> Record:
+    try:
+        return stream_request(client, prompt, settings.max_new_tokens, settings.temperature, seed,
+                              method.block_size, deadline=deadline, ignore_eos=settings.ignore_eos)
+    except Exception as exc:  # a client bug must show up in the result, not vanish with its thread
+        return Record(error=f"CLIENT: {type(exc).__name__}: {exc}")
+
+
+def summarize_cell(method: str, concurrency: int, records: list[Record], wall_s: float) -> dict:
+    """A cell's numbers: aggregate tokens/s = all generated tokens / the cell's wall time; TTFT and TPOT
+    (decode time per token after the first chunk) percentiles over requests; tau = committed tokens per
+    verify round over all the cell's rounds."""
     ttft = [r.ttft_s * 1000 for r in records if r.first_chunk]
     tpot = [r.tpot_s * 1000 for r in records if r.tpot_s is not None]
-    errors = Counter(r.error.split(":")[0] for r in records if r.error)
+    committed = [n for r in records for n in r.committed]
+    errors = [r.error for r in records if r.error]
     tokens = sum(len(r.token_ids) for r in records)
     return {
-        "address": settings.address, "clients": settings.clients, "duration_s": round(wall_s, 3),
-        "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
+        "method": method, "concurrency": concurrency, "wall_s": round(wall_s, 4),
         "requests": len(records), "completed": sum(r.finished for r in records),
-        "errors": dict(errors), "error_examples": sorted({r.error for r in records if r.error})[:5],
+        "errors": len(errors), "error_codes": dict(Counter(e.split(":")[0] for e in errors)),
+        "error_examples": sorted(set(errors))[:5],
         "tokens": tokens, "tokens_per_s": round(tokens / wall_s, 3) if wall_s > 0 else 0.0,
         "ttft_ms": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
         "tpot_ms": {"p50": percentile(tpot, 50), "p99": percentile(tpot, 99)},
+        "tau": round(sum(committed) / len(committed), 3) if committed else None,
+        "speedup_vs_c1": None,
     }
+
+
+def add_speedups(cells: list[dict]) -> None:
+    """Each cell's aggregate tokens/s over its method's at concurrency 1 (the sequential baseline);
+    stays None when the sweep has no c=1 cell or that cell made nothing."""
+    base = {c["method"]: c["tokens_per_s"] for c in cells if c["concurrency"] == 1}
+    for c in cells:
+        b = base.get(c["method"])
+        c["speedup_vs_c1"] = round(c["tokens_per_s"] / b, 3) if b else None
+
+
+def method_ratios(cells: list[dict], methods: tuple[LoadMethod, ...] = METHODS) -> dict[str, dict[str, float | None]]:
+    """{"dflash/target-only": {"<c>": ratio of aggregate tokens/s}}: the first method over each other one."""
+    rate = {(c["method"], c["concurrency"]): c["tokens_per_s"] for c in cells}
+    first = methods[0].name
+    concurrencies = sorted({c for _, c in rate})
+    return {f"{first}/{m.name}": {str(c): _ratio(rate.get((first, c)), rate.get((m.name, c))) for c in concurrencies}
+            for m in methods[1:]}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -177,16 +268,3 @@ def percentile(values: list[float], q: float) -> float | None:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return round(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo), 3)
-
-
-def format_load(result: dict) -> str:
-    t, p = result["ttft_ms"], result["tpot_ms"]
-    fmt = lambda v: "-" if v is None else f"{v:.1f}"
-    lines = [
-        "| clients | requests (done) | tokens/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | errors |",
-        "|---|---|---|---|---|---|",
-        (f"| {result['clients']} | {result['requests']} ({result['completed']}) | {result['tokens_per_s']:.1f} "
-         f"| {fmt(t['p50'])} / {fmt(t['p99'])} | {fmt(p['p50'])} / {fmt(p['p99'])} "
-         f"| {sum(result['errors'].values()) or 0} {result['errors'] or ''} |"),
-    ]
-    return "\n".join(lines)

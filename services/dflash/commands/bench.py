@@ -1,7 +1,8 @@
 """`dflash bench`: DFlash beside what a user would pick instead, measured in one run on the same prompts.
 
 Three modes: the comparison (default; ends with a profile of one round), `--profile` (the profile
-alone) and `--load N` (N concurrent streaming clients against a running service).
+alone) and `--load 1,2,4,...` (a sweep over concurrent streaming clients of a running service, DFlash
+beside target only at each concurrency).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class BenchArgs:
     temperatures: tuple[float, ...]
     methods: tuple[str, ...]
     profile_rounds: int
-    duration_s: float
+    duration_s: float | None  # load mode: a cap per cell; None runs every request
 
 
 def register(sub) -> None:
@@ -60,8 +61,13 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="which held-out prompts (default 0)")
     p.add_argument("--no-profile", action="store_true", help="skip the profile of one round")
     p.add_argument("--profile", action="store_true", help="only profile one DFlash round and print the breakdown")
-    p.add_argument("--load", type=int, metavar="N", help="load mode: N concurrent streaming clients against --service")
-    p.add_argument("--duration", type=float, help="load mode: seconds (default 60; --quick 15)")
+    p.add_argument("--load", metavar="N[,N...]",
+                   help="load mode: a sweep over these concurrencies (e.g. 1,2,4,8,16) against --service; at each, "
+                        "the service's default block (dflash) and block 1 (target-only), writes load.json, load.png")
+    p.add_argument("--requests-per-stream", type=int, default=2, metavar="N",
+                   help="load mode: requests each concurrent stream sends, one after another (default 2)")
+    p.add_argument("--duration", type=float, metavar="S",
+                   help="load mode: optional cap in seconds per cell (default none: every request runs to the end)")
     p.set_defaults(handler=run)
 
 
@@ -79,7 +85,7 @@ def resolve(args: argparse.Namespace) -> BenchArgs:
     if not 0.0 < args.draft_confidence < 1.0:  # 0 would make dflash16c the dflash16 method again
         raise DFlashError(f"--draft-confidence must be in (0, 1), got {args.draft_confidence}")
     for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
-                        ("--load", args.load), ("--duration", args.duration)):
+                        ("--requests-per-stream", args.requests_per_stream), ("--duration", args.duration)):
         if value is not None and value <= 0:
             raise DFlashError(f"{flag} must be positive, got {value}")
     return BenchArgs(
@@ -88,7 +94,7 @@ def resolve(args: argparse.Namespace) -> BenchArgs:
         temperatures=temperatures,
         methods=methods,
         profile_rounds=12 if args.quick else 32,
-        duration_s=args.duration or (15.0 if args.quick else 60.0),
+        duration_s=args.duration,
     )
 
 
@@ -210,15 +216,23 @@ def profile_text(engine, baseline, prompt_ids, settings: BenchArgs, tau, draft_c
 
 
 def run_load_mode(args: argparse.Namespace, settings: BenchArgs) -> int:
-    from ..bench.load import LoadSettings, format_load, run_load
+    from ..bench.load import SweepSettings, parse_concurrencies, run_sweep
+    from ..bench.load_report import format_sweep, machine, write_outputs
 
+    concurrencies = parse_concurrencies(args.load)
     if not args.service:
         raise DFlashError("--load needs --service HOST:PORT of a running `dflash serve`")
-    load = LoadSettings(args.service, args.load, settings.duration_s, settings.max_new_tokens,
-                        settings.temperatures[0], token=args.service_token)
-    result = run_load(load, read_prompts(args, settings.num_prompts))
-    print(format_load(result))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "load.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out / 'load.json'}", file=sys.stderr)
+    sweep = SweepSettings(args.service, concurrencies, args.requests_per_stream, settings.max_new_tokens,
+                          settings.temperatures[0], duration_s=settings.duration_s, token=args.service_token)
+    prompts = read_prompts(args, settings.num_prompts)
+    result = run_sweep(sweep, prompts, progress=_print_cell)
+    print(format_sweep(result))
+    meta = {"command": command_line(args), "machine": machine(), "prompts": len(prompts)}
+    paths = write_outputs(args.out, result, meta)
+    print("\nwrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
+
+
+def _print_cell(cell: dict) -> None:
+    print(f"c={cell['concurrency']} {cell['method']}: {cell['tokens_per_s']:.1f} tok/s, {cell['requests']} requests, "
+          f"{cell['errors']} errors, {cell['wall_s']:.2f} s", file=sys.stderr, flush=True)

@@ -7,6 +7,8 @@ block tokens with the target's `embed_tokens` and read logits through the target
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +21,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
+from ..kv_cache import KVCache
 from .config import DFlashConfig
 
 _NOT_QWEN3_KEYS = ("architectures", "auto_map", "dflash_config", "block_size", "num_target_layers", "model_type")
@@ -50,6 +53,48 @@ class DraftCache:
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             if k is not None:
                 self.keys[i], self.values[i] = k[..., :length, :], v[..., :length, :]
+
+
+@dataclass(frozen=True)
+class PackedDraft:
+    """Many sessions' drafter inputs in one forward, in session order.
+
+    Session i brings num_context[i] new context rows (absolute positions from first_positions[i] +
+    cache_starts[i]) onto a cache holding cache_starts[i] rows of it, and a block of block_sizes[i]
+    tokens right after them. `cache` holds every session's context keys/values, indexed from the
+    session's first position (0 unless its context was rebuilt from a window).
+    """
+
+    cache: KVCache
+    session_ids: tuple[str, ...]
+    first_positions: tuple[int, ...]
+    cache_starts: tuple[int, ...]
+    num_context: tuple[int, ...]
+    block_sizes: tuple[int, ...]
+
+    @property
+    def ctx_offsets(self) -> list[int]:
+        return _offsets(self.num_context)
+
+    @property
+    def blk_offsets(self) -> list[int]:
+        return _offsets(self.block_sizes)
+
+    def context_positions(self) -> torch.Tensor:
+        return torch.cat([torch.arange(f + c, f + c + n) for f, c, n in
+                          zip(self.first_positions, self.cache_starts, self.num_context)] or [torch.zeros(0, dtype=torch.long)])
+
+    def block_positions(self) -> torch.Tensor:
+        return torch.cat([torch.arange(f + c + n, f + c + n + b) for f, c, n, b in
+                          zip(self.first_positions, self.cache_starts, self.num_context, self.block_sizes)])
+
+
+def _offsets(counts) -> list[int]:
+    out, total = [], 0
+    for n in counts:
+        out.append(total)
+        total += n
+    return out
 
 
 class DFlashAttention(nn.Module):
@@ -109,6 +154,38 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:-1], -1))
 
 
+    def forward_packed(self, hidden, context, rope_blk, rope_ctx, batch: PackedDraft) -> torch.Tensor:
+        """hidden [1, Tq, H] (all sessions' blocks), context [1, Tc, H] (their new context rows).
+
+        Each session's new context keys/values are appended to its cache; its block keys/values are
+        written after them for this forward only (the cache length is set back afterwards), so attention
+        reads one view of the session's buffer and nothing is concatenated.
+        """
+        q = self._heads(hidden, self.q_proj, self.q_norm)
+        k_blk = self._heads(hidden, self.k_proj, self.k_norm)
+        v_blk = self._heads(hidden, self.v_proj, None)
+        k_ctx = self._heads(context, self.k_proj, self.k_norm)
+        v_ctx = self._heads(context, self.v_proj, None)
+        q, k_blk = apply_rotary_pos_emb(q, k_blk, *rope_blk)
+        k_ctx = apply_rotary_pos_emb(k_ctx, k_ctx, *rope_ctx)[1]
+        gqa, outputs = self.num_kv_heads != self.num_heads, []
+        for i, sid in enumerate(batch.session_ids):
+            c0, nc, b0, nb, at = batch.ctx_offsets[i], batch.num_context[i], batch.blk_offsets[i], batch.block_sizes[i], batch.cache_starts[i]
+            cache = batch.cache
+            cache.write(self.layer_idx, sid, at, k_ctx[0, :, c0 : c0 + nc], v_ctx[0, :, c0 : c0 + nc])
+            keys, values = cache.write(self.layer_idx, sid, at + nc, k_blk[0, :, b0 : b0 + nb], v_blk[0, :, b0 : b0 + nb])
+            mask = None
+            if self.sliding_window is not None:
+                first = batch.first_positions[i]
+                q_pos = torch.arange(first + at + nc, first + at + nc + nb, device=q.device).unsqueeze(1)
+                k_pos = torch.arange(first, first + at + nc + nb, device=q.device).unsqueeze(0)
+                mask = (q_pos - k_pos) < self.sliding_window
+            out = F.scaled_dot_product_attention(q[:, :, b0 : b0 + nb], keys.unsqueeze(0), values.unsqueeze(0),
+                                                 attn_mask=mask, is_causal=False, enable_gqa=gqa)
+            outputs.append(out[0].transpose(0, 1).reshape(nb, -1))
+        return self.o_proj(torch.cat(outputs).unsqueeze(0))
+
+
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: DFlashConfig, qwen3: Qwen3Config, layer_idx: int):
         super().__init__()
@@ -119,6 +196,10 @@ class DFlashDecoderLayer(nn.Module):
 
     def forward(self, hidden, context, rope, mask, cache):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, rope, mask, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward_packed(self, hidden, context, rope_blk, rope_ctx, batch: PackedDraft):
+        hidden = hidden + self.self_attn.forward_packed(self.input_layernorm(hidden), context, rope_blk, rope_ctx, batch)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -162,6 +243,24 @@ class DFlashDraftModel(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, context, rope, masks[layer.self_attn.sliding_window], cache)
         return self.norm(hidden)
+
+    def forward_packed(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, batch: PackedDraft) -> torch.Tensor:
+        """Draft hidden states for the blocks of many sessions in one pass (inference only).
+
+        noise_embedding: [Tq, H], every session's block embedded, packed in session order.
+        target_hidden: [Tc, n*H], every session's NEW context features, packed in session order.
+        Returns [Tq, H], normalised. Each session's context cache (batch.cache) grows by its new rows.
+        """
+        context = self.hidden_norm(self.fc(target_hidden)).unsqueeze(0)
+        hidden = noise_embedding.unsqueeze(0)
+        device = hidden.device
+        rope_ctx = self.rotary_emb(hidden, batch.context_positions().to(device).unsqueeze(0))
+        rope_blk = self.rotary_emb(hidden, batch.block_positions().to(device).unsqueeze(0))
+        for layer in self.layers:
+            hidden = layer.forward_packed(hidden, context, rope_blk, rope_ctx, batch)
+        for sid, at, nc in zip(batch.session_ids, batch.cache_starts, batch.num_context):
+            batch.cache.crop(sid, at + nc)  # block keys were for this forward only
+        return self.norm(hidden)[0]
 
     @property
     def has_sliding_window(self) -> bool:

@@ -58,8 +58,42 @@ class DraftSampling:
 GREEDY = DraftSampling()
 
 
+@dataclass(frozen=True)
+class DraftRequest:
+    """One session's part of a batched draft call.
+
+    context: [n, num_features * hidden] target features of positions context_start .. context_start+n-1,
+        the positions committed since the previous call (all prompt positions on the first call).
+    last_token: the last committed token, at position context_start + n (not yet seen by the target).
+    block_size: the block the drafter fills (proposals for positions context_start + n + 1 onwards).
+    """
+
+    session_id: str
+    context: torch.Tensor
+    context_start: int
+    last_token: int
+    block_size: int
+    sampling: DraftSampling = GREEDY
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A session's proposals: tokens [k] (LongTensor, CPU) and the drafter's probability of each [k]
+    (float32), which the scheduler reads to decide how many of them to verify. `replica` names who
+    drafted ("local" in process, "" when nobody could: then tokens is empty and the round is target-only)."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor
+    replica: str = "local"
+
+    @classmethod
+    def none(cls) -> Draft:
+        return cls(torch.empty(0, dtype=torch.long), torch.empty(0), "")
+
+
 class Drafter(Protocol):
-    """Proposes one block per call. Implementations: `LocalDrafter` (in process), a gRPC client (service).
+    """Proposes blocks for many sessions per call. Implementations: `LocalDrafter` (in process), the gRPC
+    client `RemoteDrafter` (service).
 
     The drafter keeps per-session context (its KV cache of target features) between calls. Each call
     brings only the context it has not seen yet, so its cache grows by exactly the committed tokens.
@@ -71,26 +105,12 @@ class Drafter(Protocol):
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
 
-    def draft(
-        self,
-        session_id: str,
-        context: torch.Tensor,
-        context_start: int,
-        last_token: int,
-        block_size: int,
-        sampling: DraftSampling = GREEDY,
-    ) -> torch.Tensor:
-        """Draft the tokens after `last_token`.
+    def draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
+        """Draft every request's block (one drafter forward per replica); results in request order.
 
-        context: [n, num_features * hidden] target features of positions context_start .. context_start+n-1,
-            the positions committed since the previous call (all prompt positions on the first call).
-        last_token: the last committed token, at position context_start + n (not yet seen by the target).
-        sampling: how to pick each proposal (argmax, or coupled with the target's own sampling).
-        Returns a LongTensor [block_size - 1]: proposals for positions context_start + n + 1 onwards;
-            with sampling.min_confidence > 0 only the leading ones `rounds.confident_length` keeps
-            (at least one).
-        Raises KeyError-free `DFlashError`s only; an unknown session with context_start > 0 is an error
-        the caller answers by replaying context from position 0.
+        Each Draft holds block_size - 1 proposals, or with sampling.min_confidence > 0 only the leading
+        ones `rounds.confident_length` keeps (at least one). Raises `DFlashError`s only; an unknown
+        session with context_start > 0 is an error the caller answers by replaying context from 0.
         """
         ...
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from ..api.internal.v1 import drafter_pb2
-from ..drafter.protocol import GREEDY, DraftSampling
+from ..drafter.protocol import GREEDY, DraftRequest, DraftSampling
 from ..errors import DFlashError
 
 DTYPES = {
@@ -59,7 +59,7 @@ def draft_request_chunks(
     session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int, chunk_bytes: int,
     sampling: DraftSampling = GREEDY,
 ) -> Iterator[drafter_pb2.DraftRequestChunk]:
-    """The Draft call's client stream: header + dtype/shape first, the context's bytes in slices."""
+    """One session's part of a Draft stream: header + dtype/shape first, the context's bytes in slices."""
     data = tensor_bytes(context)
     head = drafter_pb2.DraftRequestChunk(
         session_id=session_id, context_start=context_start, last_token=last_token, block_size=block_size,
@@ -72,14 +72,42 @@ def draft_request_chunks(
         yield drafter_pb2.DraftRequestChunk(context=drafter_pb2.Tensor(data=data[offset : offset + chunk_bytes]))
 
 
+def draft_batch_chunks(requests: Iterable[DraftRequest], chunk_bytes: int) -> Iterator[drafter_pb2.DraftRequestChunk]:
+    """A DraftBatch stream: every request's chunks in turn."""
+    for r in requests:
+        yield from draft_request_chunks(r.session_id, r.context, r.context_start, r.last_token, r.block_size,
+                                        chunk_bytes, r.sampling)
+
+
 def draft_sampling(head: drafter_pb2.DraftRequestChunk) -> DraftSampling:
     """The header's proposal rule; a value out of range raises DFlashError naming the field."""
     return DraftSampling(temperature=head.temperature, top_k=head.top_k, top_p=head.top_p, seed=head.seed,
                          min_confidence=head.min_confidence)
 
 
+def join_draft_batch(chunks: Iterable[drafter_pb2.DraftRequestChunk]) -> list[DraftRequest]:
+    """Reassemble a DraftBatch (or Draft) stream into requests; a chunk with a session_id starts the next.
+    CodecError for an empty stream, a headerless first chunk or bytes that do not fit their shape."""
+    heads: list[drafter_pb2.DraftRequestChunk] = []
+    parts: list[list[bytes]] = []
+    for chunk in chunks:
+        if chunk.session_id:
+            heads.append(chunk)
+            parts.append([])
+        elif not heads:
+            raise CodecError("the Draft stream's first message has no session_id")
+        parts[-1].append(chunk.context.data)
+    if not heads:
+        raise CodecError("empty Draft stream")
+    return [
+        DraftRequest(h.session_id, from_parts(h.context.dtype, h.context.shape, b"".join(p)), h.context_start,
+                     h.last_token, h.block_size, draft_sampling(h))
+        for h, p in zip(heads, parts)
+    ]
+
+
 def join_draft_request(chunks: Iterable[drafter_pb2.DraftRequestChunk]) -> tuple[drafter_pb2.DraftRequestChunk, torch.Tensor]:
-    """Reassemble a Draft call: (the header chunk, the context tensor)."""
+    """Reassemble a one-session Draft call: (the header chunk, the context tensor)."""
     head, parts = None, []
     for chunk in chunks:
         if head is None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DFlashError
+from ..scheduler import SchedulerConfig
 from .autoscaling import POLICY_FUNCTION as DRAFT_LOAD_POLICY
 
 MODES = ("colocated", "disaggregated")
@@ -144,6 +145,7 @@ class ServiceConfig:
     drafter: DeploymentConfig = field(default_factory=DeploymentConfig)
     drafter_net: DrafterNetConfig = field(default_factory=DrafterNetConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     torch_threads: int = 0  # per replica; 0 leaves torch's default
     metrics: str = "ray"  # "ray" (exported by Ray's Prometheus endpoint), "prometheus" (own registry), "none"
@@ -340,4 +342,5 @@ _SECTIONS = {
     "DrafterNetConfig": DrafterNetConfig,
     "LimitsConfig": LimitsConfig,
     "TlsConfig": TlsConfig,
+    "SchedulerConfig": SchedulerConfig,
 }

@@ -1,7 +1,8 @@
 """The verifier's side of the drafter transport: a `Drafter` that drafts on remote replicas over gRPC.
 
-Every call first appends its context to the session's context log in the store (so any replica can
-rebuild the session), then asks the replica that rendezvous hashing picks for the session. A replica
+Every call first appends each session's context to its context log in the store (so any replica can
+rebuild the session), then asks, in one DraftBatch call per replica, the replica that rendezvous
+hashing picks for each session. A replica
 that fails is skipped for `retry_after_s` and the next one is asked; the new one rebuilds from the log.
 When no replica answers, the round runs target-only (an empty draft): output stays exact, only slower,
 and the round's span says so. Replicas come back by advertising themselves in the store again.
@@ -19,7 +20,7 @@ import torch
 from opentelemetry import trace
 
 from ..api.internal.v1 import drafter_pb2, drafter_pb2_grpc
-from ..drafter.protocol import GREEDY, DraftSampling
+from ..drafter.protocol import GREEDY, Draft, DraftRequest, DraftSampling
 from ..errors import DFlashError
 from . import codec, tracing
 from .config import DrafterNetConfig
@@ -48,25 +49,50 @@ class RemoteDrafter:
         self._last_replica: dict[str, str] = {}
         self._lock = threading.Lock()
 
+    def draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
+        """Drafts (see `Drafter.draft_batch`): one DraftBatch call per replica, all replicas at once; a
+        session whose replica fails moves to its next candidate; Draft.none() when nobody answered."""
+        for r in requests:
+            self._log_context(r.session_id, r.context, r.context_start)
+        span = trace.get_current_span()
+        results: list[Draft | None] = [None] * len(requests)
+        candidates = [self._candidates(r.session_id) for r in requests]
+        pending = list(range(len(requests)))
+        while pending:
+            groups: dict[str, list[int]] = {}
+            for i in pending:
+                if candidates[i]:
+                    groups.setdefault(candidates[i][0], []).append(i)
+            if not groups:
+                break
+            calls = {a: self._call_batch(a, [requests[i] for i in idx]) for a, idx in groups.items()}
+            pending = [i for i in pending if not candidates[i]]
+            for address, idx in groups.items():
+                try:
+                    reply = calls[address].result()
+                except grpc.RpcError as exc:
+                    self._mark_failed(address)
+                    span.add_event("drafter failed", {"dflash.drafter.replica": address, "grpc.code": str(exc.code())})
+                    for i in idx:
+                        candidates[i] = [a for a in candidates[i] if a != address]
+                    pending.extend(idx)
+                    continue
+                for i, one in zip(idx, reply.replies):
+                    self._last_replica[requests[i].session_id] = address
+                    results[i] = Draft(torch.tensor(list(one.draft_token_ids), dtype=torch.long),
+                                       torch.tensor(list(one.top_probs), dtype=torch.float32), one.replica)
+        fallbacks = sum(r is None for r in results)
+        span.set_attributes({"dflash.drafter.replicas": ",".join(sorted({d.replica for d in results if d})),
+                             "dflash.drafter.fallback": fallbacks > 0})
+        for _ in range(fallbacks):
+            self.metrics.record_fallback()
+        return [d if d is not None else Draft.none() for d in results]
+
     def draft(self, session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int,
               sampling: DraftSampling = GREEDY) -> torch.Tensor:
-        """Draft ids (see `Drafter.draft`), or an empty tensor when no replica answered (a target-only round)."""
-        self._log_context(session_id, context, context_start)
-        span = trace.get_current_span()
-        for address in self._candidates(session_id):
-            try:
-                reply = self._call(address, session_id, context, context_start, last_token, block_size, sampling)
-            except grpc.RpcError as exc:
-                self._mark_failed(address)
-                span.add_event("drafter failed", {"dflash.drafter.replica": address, "grpc.code": str(exc.code())})
-                continue
-            self._last_replica[session_id] = address
-            span.set_attributes({"dflash.drafter.replica": reply.replica, "dflash.drafter.rebuilt": reply.rebuilt,
-                                 "dflash.drafter.fallback": False})
-            return torch.tensor(list(reply.draft_token_ids), dtype=torch.long)
-        span.set_attributes({"dflash.drafter.replica": "", "dflash.drafter.fallback": True})
-        self.metrics.record_fallback()
-        return torch.empty(0, dtype=torch.long)
+        """One session's proposals (empty when no replica answered: a target-only round)."""
+        request = DraftRequest(session_id, context, context_start, last_token, block_size, sampling)
+        return self.draft_batch([request])[0].tokens
 
     def release(self, session_id: str) -> None:
         """Tell the replica that drafted last to drop the session's cache (best effort)."""
@@ -85,11 +111,11 @@ class RemoteDrafter:
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _call(self, address, session_id, context, context_start, last_token, block_size, sampling):
-        chunks = codec.draft_request_chunks(
-            session_id, context, context_start, last_token, block_size, self.net.chunk_bytes, sampling
-        )
-        return self._stub(address).Draft(chunks, timeout=self.net.timeout_s, metadata=tracing.outgoing_metadata())
+    def _call_batch(self, address: str, requests: list[DraftRequest]):
+        """A DraftBatch call in flight (a grpc future)."""
+        chunks = codec.draft_batch_chunks(requests, self.net.chunk_bytes)
+        return self._stub(address).DraftBatch.future(chunks, timeout=self.net.timeout_s,
+                                                     metadata=tracing.outgoing_metadata())
 
     def _log_context(self, session_id: str, context: torch.Tensor, context_start: int) -> None:
         """Append to the context log; a call from position 0 (new or re-prefilled session) restarts it."""

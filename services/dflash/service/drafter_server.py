@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from concurrent import futures
 
 import grpc
@@ -19,7 +20,7 @@ from opentelemetry import trace
 
 from ..api.internal.v1 import drafter_pb2, drafter_pb2_grpc
 from ..drafter.local import LocalDrafter
-from ..drafter.protocol import GREEDY, DraftSampling
+from ..drafter.protocol import GREEDY, Draft, DraftRequest, DraftSampling
 from ..errors import DFlashError
 from . import codec, tracing
 from .autoscaling import HOT_SESSIONS, INFLIGHT_DRAFTS
@@ -35,23 +36,34 @@ class DraftSessions:
         self.store = store
         self.max_sessions = max_sessions
         self._recent: OrderedDict[str, None] = OrderedDict()
-        self._lock = threading.Lock()  # one forward at a time: the model is shared
+        self._lock = threading.Lock()  # one forward at a time: the model and its cache are shared
+
+    def draft_batch(self, requests: list[DraftRequest]) -> tuple[list[Draft], list[bool]]:
+        """Drafts for many sessions in one forward (see `Drafter.draft_batch`), and which were rebuilt."""
+        for r in requests:
+            if not 1 < r.block_size <= self.drafter.block_size:
+                raise DFlashError(f"block_size: {r.block_size} outside [2, {self.drafter.block_size}]")
+        with self._lock:
+            ready, rebuilt = [], []
+            for r in requests:
+                fresh = False
+                if r.context_start == 0:
+                    self.drafter.release(r.session_id)
+                elif self.drafter.session_length(r.session_id) != r.context_start:
+                    context, start = self._rebuild(r.session_id, r.context, r.context_start)
+                    r = replace(r, context=context, context_start=start)
+                    fresh = True
+                self._touch(r.session_id)
+                ready.append(r)
+                rebuilt.append(fresh)
+            return self.drafter.draft_batch(ready), rebuilt
 
     def draft(self, session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int,
               sampling: DraftSampling = GREEDY):
-        """Returns (draft ids, see `Drafter.draft`, rebuilt)."""
-        if not 1 < block_size <= self.drafter.block_size:
-            raise DFlashError(f"block_size: {block_size} outside [2, {self.drafter.block_size}]")
-        with self._lock:
-            rebuilt = False
-            if context_start == 0:
-                self.drafter.release(session_id)
-            elif self.drafter.session_length(session_id) != context_start:
-                context, context_start = self._rebuild(session_id, context, context_start)
-                rebuilt = True
-            self._touch(session_id)
-            draft = self.drafter.draft(session_id, context, context_start, last_token, block_size, sampling)
-            return draft, rebuilt
+        """One session: (draft ids, rebuilt)."""
+        drafts, rebuilt = self.draft_batch([DraftRequest(session_id, context, context_start, last_token, block_size,
+                                                         sampling)])
+        return drafts[0].tokens, rebuilt[0]
 
     def _rebuild(self, session_id: str, context: torch.Tensor, context_start: int):
         """Context from the log, contiguous up to context_start, followed by this call's context."""
@@ -70,7 +82,6 @@ class DraftSessions:
                 "the verifier restarts the session's draft context"
             )
         rows.reverse()
-        self.drafter.release(session_id)
         self.drafter.open(session_id, expected)
         prefix = torch.cat(rows).to(context.dtype)
         return torch.cat([prefix, context]), expected
@@ -99,37 +110,50 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, sessions: DraftSessions, replica: str):
         self.sessions = sessions
         self.replica = replica
-        self.num_inflight = 0  # Draft calls being received, waiting for the model or drafting
+        self.num_inflight = 0  # sessions of Draft calls being received, waiting for the model or drafting
         self._count_lock = threading.Lock()
 
     def Draft(self, request_iterator, context):
-        with self._count_lock:
-            self.num_inflight += 1
+        replies = self._serve(request_iterator, context, one=True)
+        return replies.replies[0]
+
+    def DraftBatch(self, request_iterator, context):
+        return self._serve(request_iterator, context, one=False)
+
+    def _serve(self, request_iterator, context, one: bool) -> drafter_pb2.DraftBatchReply:
         try:
-            return self._draft(request_iterator, context)
+            requests = codec.join_draft_batch(request_iterator)
+        except DFlashError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if one and len(requests) != 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Draft carries one session; use DraftBatch for more")
+        with self._count_lock:
+            self.num_inflight += len(requests)
+        try:
+            return self._draft(requests, context)
         finally:
             with self._count_lock:
-                self.num_inflight -= 1
+                self.num_inflight -= len(requests)
 
-    def _draft(self, request_iterator, context):
-        head, features = codec.join_draft_request(request_iterator)
+    def _draft(self, requests: list[DraftRequest], context) -> drafter_pb2.DraftBatchReply:
         parent = tracing.context_from(context.invocation_metadata())
         with tracing.tracer().start_as_current_span("dflash.draft", context=parent, kind=trace.SpanKind.SERVER) as span:
-            span.set_attributes({"dflash.session_id": head.session_id, "dflash.drafter.replica": self.replica,
-                                 "dflash.context_rows": features.shape[0], "dflash.context_start": head.context_start})
+            span.set_attributes({"dflash.sessions": len(requests), "dflash.drafter.replica": self.replica,
+                                 "dflash.context_rows": sum(r.context.shape[0] for r in requests)})
+            if len(requests) == 1:
+                span.set_attributes({"dflash.session_id": requests[0].session_id,
+                                     "dflash.context_start": requests[0].context_start})
             t0 = time.perf_counter()
             try:
-                draft, rebuilt = self.sessions.draft(
-                    head.session_id, features, head.context_start, head.last_token, head.block_size,
-                    codec.draft_sampling(head),
-                )
+                drafts, rebuilt = self.sessions.draft_batch(requests)
             except DFlashError as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            span.set_attribute("dflash.drafter.rebuilt", rebuilt)
-            return drafter_pb2.DraftReply(
-                draft_token_ids=draft.tolist(), replica=self.replica, rebuilt=rebuilt,
-                draft_ms=(time.perf_counter() - t0) * 1000,
-            )
+            span.set_attribute("dflash.drafter.rebuilt", any(rebuilt))
+            ms = (time.perf_counter() - t0) * 1000
+            replies = [drafter_pb2.DraftReply(draft_token_ids=d.tokens.tolist(), top_probs=d.probs.tolist(),
+                                              replica=self.replica, rebuilt=b, draft_ms=ms)
+                       for d, b in zip(drafts, rebuilt)]
+            return drafter_pb2.DraftBatchReply(replies=replies, draft_ms=ms)
 
     def Release(self, request, context):
         self.sessions.release(request.session_id)

@@ -16,6 +16,7 @@ from .drafter_client import RemoteDrafter
 from .drafter_server import DraftSessions
 from .metrics import ServiceMetrics
 from .session_store import SessionStore
+from .step_telemetry import StepTelemetry
 
 
 def model_dirs(config: ServiceConfig) -> tuple[str, str | None]:
@@ -36,7 +37,8 @@ def build_verifier_engine(config: ServiceConfig, store: SessionStore, metrics: S
     device = resolve_device(config.model.device)
     model, tokenizer = load_target(target_dir, device, resolve_dtype(config.model.dtype, device))
     if drafter_dir is None:
-        return SpeculativeEngine(TargetModel(model), None, tokenizer, eos_ids(model))
+        return SpeculativeEngine(TargetModel(model), None, tokenizer, eos_ids(model), config.scheduler,
+                                 observer=StepTelemetry(metrics))
     if config.mode == "colocated":
         draft_model = load_drafter(drafter_dir, device=device, dtype=model.dtype)
         draft_config = draft_model.config
@@ -49,7 +51,8 @@ def build_verifier_engine(config: ServiceConfig, store: SessionStore, metrics: S
     else:
         drafter = RemoteDrafter(store, draft_config.block_size, draft_config.mask_token_id,
                                 draft_config.target_layer_ids, config.drafter_net, config.redis.context_window, metrics)
-    return SpeculativeEngine(target, drafter, tokenizer, eos_ids(model))
+    return SpeculativeEngine(target, drafter, tokenizer, eos_ids(model), config.scheduler,
+                             observer=StepTelemetry(metrics))
 
 
 def build_draft_sessions(config: ServiceConfig, store: SessionStore) -> DraftSessions:

@@ -12,13 +12,12 @@ import threading
 import uuid
 from collections.abc import Iterator
 
-from opentelemetry import trace
-
 from ..api.v1 import generate_pb2
 from ..engine import SpeculativeEngine
 from ..errors import DFlashError, InvalidRequestError
 from ..generation import RoundOutput
 from ..params import SamplingParams
+from ..scheduler import QueueFullError
 from . import tracing
 from .messages import StreamError, VerifyRequest
 from .metrics import ServiceMetrics
@@ -58,46 +57,35 @@ class Verifier:
         if record.status == FINISHED and request.tokens_received == len(record.output_ids):
             yield generate_pb2.GenerateChunk(session_id=record.session_id, final=_final_proto(record.final))
             return
-        rounds = self.engine.generate(record.prompt_ids, record.sampling_params(), record.session_id,
-                                      committed_ids=committed or None, seed=record.seed)
+        try:
+            rounds = self.engine.generate(record.prompt_ids, record.sampling_params(), record.session_id,
+                                          committed_ids=committed or None, seed=record.seed,
+                                          trace_context=tracing.otel_context.get_current())
+        except QueueFullError as exc:
+            self._mark(record.session_id, FAILED)
+            yield StreamError("RESOURCE_EXHAUSTED", str(exc))
+            return
         status = FAILED
         try:
-            for out in self._rounds(rounds, cancelled):
+            for out in rounds:
                 if out.token_ids or out.finish_reason or out.stats.index == 0:
                     self.store.commit(record.session_id, out.token_ids, out.stats.index)
                     yield self._chunk(record.session_id, out)
                 if out.finish_reason is not None:
                     status = FINISHED
                     self._finish(record, out)
+                    break
+                if cancelled.is_set():
+                    break
             if status != FINISHED:
                 status = CANCELLED
         except GeneratorExit:  # the consumer went away between rounds
             status = CANCELLED
             raise
         finally:
-            rounds.close()
+            rounds.close()  # cancels the request in the engine unless it finished, freeing its caches
             if status != FINISHED:
                 self._mark(record.session_id, status)
-
-    def _rounds(self, rounds: Iterator[RoundOutput], cancelled: threading.Event) -> Iterator[RoundOutput]:
-        """The engine's rounds, each inside its own `dflash.round` span; stops between rounds when cancelled."""
-        tracer = tracing.tracer()
-        while not cancelled.is_set():
-            with tracer.start_as_current_span("dflash.round") as span:
-                out = next(rounds, None)
-                if out is None:
-                    return
-                s = out.stats
-                span.set_attributes({
-                    "dflash.round.index": s.index, "dflash.round.draft_tokens": s.draft_tokens,
-                    "dflash.round.accepted_tokens": s.accepted_tokens, "dflash.round.committed": s.committed,
-                    "dflash.round.draft_ms": s.draft_ms, "dflash.round.verify_ms": s.verify_ms,
-                })
-                if s.index > 0:
-                    self.metrics.record_round()
-            yield out
-            if out.finish_reason is not None:
-                return
 
     def _create(self, request: VerifyRequest) -> SessionRecord:
         params = SamplingParams(**request.params)
@@ -129,8 +117,7 @@ class Verifier:
             session_id=session_id, text=out.text, token_ids=out.token_ids,
             round=generate_pb2.RoundStats(
                 index=s.index, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
-                committed=s.committed, draft_ms=s.draft_ms, verify_ms=s.verify_ms,
-                drafter=_drafter_of(self.engine, session_id),
+                committed=s.committed, draft_ms=s.draft_ms, verify_ms=s.verify_ms, drafter=s.drafter,
             ),
         )
         if out.finish_reason is not None:
@@ -151,13 +138,6 @@ class Verifier:
 
 def new_session_id() -> str:
     return uuid.uuid4().hex
-
-
-def _drafter_of(engine: SpeculativeEngine, session_id: str) -> str:
-    last = getattr(engine.drafter, "last_replica", None)
-    if last is not None:
-        return last(session_id)
-    return "local" if engine.drafter is not None else ""
 
 
 def _final_dict(out: RoundOutput) -> dict:

@@ -11,6 +11,7 @@ from ..drafter.model import DFlashDraftModel
 from ..engine import SpeculativeEngine
 from ..loading import eos_ids
 from ..params import SamplingParams
+from ..scheduler import SchedulerConfig
 from ..target import TargetModel
 
 
@@ -40,7 +41,7 @@ def evaluate_tau(
     drafter.eval()
     target = TargetModel(model, drafter.config.target_layer_ids)
     local = LocalDrafter(drafter, target.embed_tokens, target.lm_head)
-    engine = SpeculativeEngine(target, local, tokenizer, eos_ids(model))
+    engine = SpeculativeEngine(target, local, tokenizer, eos_ids(model), SchedulerConfig(verify_policy="full"))
     params = SamplingParams(max_new_tokens=max_new_tokens)
     histogram: Counter = Counter()
     rounds = generated = 0

@@ -42,16 +42,26 @@ class DraftRequestChunk(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., context_start: _Optional[int] = ..., last_token: _Optional[int] = ..., block_size: _Optional[int] = ..., context: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[float] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class DraftReply(_message.Message):
-    __slots__ = ("draft_token_ids", "replica", "rebuilt", "draft_ms")
+    __slots__ = ("draft_token_ids", "replica", "rebuilt", "draft_ms", "top_probs")
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     REBUILT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TOP_PROBS_FIELD_NUMBER: _ClassVar[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     replica: str
     rebuilt: bool
     draft_ms: float
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., replica: _Optional[str] = ..., rebuilt: _Optional[bool] = ..., draft_ms: _Optional[float] = ...) -> None: ...
+    top_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., replica: _Optional[str] = ..., rebuilt: _Optional[bool] = ..., draft_ms: _Optional[float] = ..., top_probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class DraftBatchReply(_message.Message):
+    __slots__ = ("replies", "draft_ms")
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[DraftReply]
+    draft_ms: float
+    def __init__(self, replies: _Optional[_Iterable[_Union[DraftReply, _Mapping]]] = ..., draft_ms: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -40,6 +40,11 @@ class DrafterStub:
                 request_serializer=dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftRequestChunk.SerializeToString,
                 response_deserializer=dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftReply.FromString,
                 _registered_method=True)
+        self.DraftBatch = channel.stream_unary(
+                '/dflash.internal.v1.Drafter/DraftBatch',
+                request_serializer=dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftRequestChunk.SerializeToString,
+                response_deserializer=dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftBatchReply.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/dflash.internal.v1.Drafter/Release',
                 request_serializer=dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.ReleaseRequest.SerializeToString,
@@ -58,6 +63,14 @@ class DrafterServicer:
     def Draft(self, request_iterator, context):
         """Client-streaming so that large contexts (a long prompt's features) travel in chunks: the first
         message carries the header and the tensor's dtype and shape, every message a slice of its bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DraftBatch(self, request_iterator, context):
+        """Many sessions in one call and one drafter forward: the stream holds each session's chunks in
+        turn (a chunk with a session_id starts the next session). Replies come in the same order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,6 +95,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Draft,
                     request_deserializer=dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftRequestChunk.FromString,
                     response_serializer=dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftReply.SerializeToString,
+            ),
+            'DraftBatch': grpc.stream_unary_rpc_method_handler(
+                    servicer.DraftBatch,
+                    request_deserializer=dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftRequestChunk.FromString,
+                    response_serializer=dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftBatchReply.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -121,6 +139,33 @@ class Drafter:
             '/dflash.internal.v1.Drafter/Draft',
             dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftRequestChunk.SerializeToString,
             dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DraftBatch(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/dflash.internal.v1.Drafter/DraftBatch',
+            dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftRequestChunk.SerializeToString,
+            dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftBatchReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,87 @@
+"""How many draft tokens each session verifies this step: speculation that never loses under load.
+
+Verifying k proposals of session i commits, in expectation, 1 + sum_{j<=k} prod_{l<=j} p_il tokens,
+where p_il is the drafter's probability of its l-th proposal. A step of n packed tokens costs t(n),
+a curve measured on the real device at start-up. Starting from plain batched decoding (k = 0 for
+everyone, one token each), proposals are added best first (highest prod p) while adding one raises
+the step's expected tokens per millisecond; with a flat cost curve (a GPU at small batch) every
+proposal is verified, with a steep one (a CPU, a big batch) few or none are.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Milliseconds of one target forward against the tokens it packs: measured points, interpolated
+    linearly (and extrapolated from the last two points), made non-decreasing."""
+
+    tokens: tuple[int, ...]
+    ms: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        running, fixed = 0.0, []
+        for m in self.ms:
+            running = max(running, m)
+            fixed.append(running)
+        object.__setattr__(self, "ms", tuple(fixed))
+
+    def __call__(self, n: int) -> float:
+        xs, ys = self.tokens, self.ms
+        if len(xs) == 1 or n <= xs[0]:
+            return ys[0] * min(max(n, 1) / xs[0], 1.0) if len(xs) > 1 else ys[0] * max(n, 1) / xs[0]
+        i = min(bisect.bisect_left(xs, n), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
+    @classmethod
+    def flat(cls) -> CostCurve:
+        """Verification is free: the policy then verifies every proposal."""
+        return cls((1, 1 << 20), (1.0, 1.0))
+
+
+def measure_cost_curve(forward: Callable[[int], None], max_tokens: int, repeats: int = 3) -> CostCurve:
+    """Time `forward(n)` (one packed target forward of n tokens) at powers of two up to max_tokens; the
+    median of `repeats` after one warm-up each."""
+    points = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, max_tokens} & set(range(1, max_tokens + 1)))
+    ms = []
+    for n in points:
+        forward(n)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            forward(n)
+            times.append((time.perf_counter() - t0) * 1000)
+        ms.append(sorted(times)[len(times) // 2])
+    return CostCurve(tuple(points), tuple(ms))
+
+
+def choose_verify_lengths(probs: Sequence[torch.Tensor], base_tokens: int, cost: CostCurve) -> list[int]:
+    """For each session's proposal probabilities (a tensor [k_i], possibly empty), how many leading
+    proposals to verify, given that the step already packs `base_tokens` tokens (one per decoding
+    session plus any prefill chunks)."""
+    lengths = [0] * len(probs)
+    gains = [torch.cumprod(p.double(), 0).tolist() if p.numel() else [] for p in probs]
+    expected = float(len(probs))  # each decoding session commits at least its bonus token
+    n = base_tokens
+    heap = [(-g[0], i) for i, g in enumerate(gains) if g]
+    heapq.heapify(heap)
+    while heap:
+        neg_gain, i = heapq.heappop(heap)
+        gain = -neg_gain
+        if (expected + gain) * cost(n) <= expected * cost(n + 1):
+            break  # the best remaining proposal no longer pays for the time it adds
+        expected += gain
+        n += 1
+        lengths[i] += 1
+        if lengths[i] < len(gains[i]):
+            heapq.heappush(heap, (-gains[i][lengths[i]], i))
+    return lengths
