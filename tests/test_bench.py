@@ -118,7 +118,15 @@ def test_profile_parts_add_up_and_engine_left_clean(engines):
     assert p.parts_ms["verify_forward"] > 0 and p.parts_ms["draft_forward"] > 0 and p.target_step_ms > 0
     text = format_profile(p, tau=1.0)
     assert all(label in text for _, label in PARTS) and "speedup = tau" in text
-    assert not {"forward", "crop"} & set(vars(engine.target)) and "commit" not in vars(engine)
+    assert 1.0 <= p.committed_per_round <= 16 and 1.0 <= p.verified_per_round <= 16
+    # engine left clean: no session in the target cache or the drafter, no timer left behind
+    assert engine.cache.num_sessions == 0 and engine.cache.reserved_tokens == 0 and engine.drafter.num_sessions == 0
+    assert baseline.cache.num_sessions == 0 and baseline.cache.reserved_tokens == 0
+    assert engine.num_running == engine.num_waiting == 0
+    assert "forward" not in vars(engine.target) and "crop" not in vars(engine.cache)
+    assert "draft_batch" not in vars(engine.drafter) and "_queue_features" not in vars(engine)
+    assert "forward_packed" not in vars(engine.drafter.model)
+    assert not engine.target.model._forward_hooks and not engine.drafter.model._forward_pre_hooks
     params = SamplingParams(max_new_tokens=20)
     assert engine.run(prompt, params).token_ids == baseline.run(prompt, params).token_ids
 

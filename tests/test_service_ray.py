@@ -42,6 +42,7 @@ def config_tree(model_dirs, redis_url, mode, **extra):
         "verifier": {"ray_actor_options": ACTOR, "max_ongoing_requests": 8, "max_queued_requests": -1},
         "drafter": {"ray_actor_options": ACTOR, "num_replicas": 2},
         "drafter_net": {"retry_after_s": 0.5, "timeout_s": 5.0},
+        "scheduler": {"verify_policy": "full"},  # every proposal verified: drafting stays observable
     }
     tree.update(extra)
     return ServiceConfig.from_dict(tree)

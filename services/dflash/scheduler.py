@@ -72,16 +72,19 @@ class Scheduler:
         self.running: list[Generation] = []
 
     def add(self, gen: Generation, reserve_tokens: int) -> None:
-        """Queue a request that will hold up to `reserve_tokens` cache positions."""
+        """Admit (or queue) a request that will hold up to `reserve_tokens` cache positions; QueueFullError
+        when it would wait and max_queued already do."""
         if reserve_tokens > self.cache.budget_tokens:
             raise InvalidRequestError(
                 "max_new_tokens", f"prompt + max_new_tokens need {reserve_tokens} cache positions; this server's "
                 f"cache holds {self.cache.budget_tokens} (scheduler.cache_tokens): ask for fewer tokens")
-        if len(self.waiting) >= self.config.max_queued:
-            raise QueueFullError(f"server: {len(self.waiting)} requests are already waiting (scheduler.max_queued); "
-                                 "retry with backoff")
         gen.reserved_tokens = reserve_tokens
         self.waiting.append(gen)
+        self._admit()
+        if len(self.waiting) > self.config.max_queued:
+            self.waiting.remove(gen)
+            raise QueueFullError(f"server: {self.config.max_queued} requests are already waiting "
+                                 "(scheduler.max_queued); retry with backoff")
 
     def schedule(self) -> StepPlan:
         """Admit what fits, then plan this step's tokens."""

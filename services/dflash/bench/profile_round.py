@@ -1,9 +1,11 @@
 """Where one DFlash round's time goes, measured around the engine's public calls.
 
-The real `engine.step` runs; timers wrap the calls it makes on its parts (the drafter's `draft`,
-the target's `forward` and `crop`, the engine's `commit`) and forward hooks time the networks inside
-them. The pure acceptance functions are timed again on the round's own tensors. What no timer
-covers is Python overhead: statistics, stop handling, text decoding, the loop itself.
+One session runs alone through the real engine (`submit`, then `step`: after its prefill, each step
+is one round of that session). Timers wrap the calls a step makes on its parts (the drafter's
+`draft_batch`, the target's `forward`, the cache's `crop`, the engine's feature queue) and forward
+hooks time the networks inside them. The pure acceptance functions are timed again on the round's
+own tensors. What no timer covers is Python overhead: scheduling, statistics, stop handling, text
+decoding, the loop itself.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ..engine import SpeculativeEngine
+from ..errors import DFlashError
+from ..generation import Generation, RoundOutput
 from ..params import SamplingParams
 from ..rounds import accept_length, committed_tokens
 from ..sampling import sample_tokens
@@ -102,45 +106,86 @@ class _Timers:
 def profile_round(engine: SpeculativeEngine, prompt_ids: list[int], block_size: int, rounds: int = 24,
                   warmup: int = 3, baseline: SpeculativeEngine | None = None,
                   draft_confidence: float = 0.0) -> RoundProfile:
-    """Time of each part of `rounds` greedy rounds (after `warmup`) on one prompt; see `_summarize`."""
+    """Time of each part of `rounds` greedy rounds (after `warmup`) on one prompt; see `_summarize`.
+
+    The engine (and the baseline) must be idle: a step runs every running session, and the profile
+    is of one session's round. One session goes through `submit` and `step`; each step after its
+    prefill is one round, whose RoundStats come from the session's outbox. Afterwards the session is
+    gone from the engine, its target cache and the drafter, and every timer is removed.
+    """
+    _check_idle(engine)
     params = SamplingParams(max_new_tokens=(rounds + warmup + 1) * block_size, block_size=block_size,
                             ignore_eos=True, draft_confidence=draft_confidence)
     gen = engine.start(prompt_ids, params)
-    engine.prefill(gen)
+    engine.submit(gen)
     timers = _Timers()
-    timers.wrap(engine.drafter, "draft", "draft", phase="draft")
-    timers.wrap(engine.target, "forward", "verify", phase="verify")
-    timers.wrap(engine.target, "crop", "trim")
-    timers.wrap(engine, "commit", "commit")
-    timers.hook(engine.target.model, "verify_forward", only_in="verify")
-    if hasattr(engine.drafter, "model"):
-        timers.hook(engine.drafter.model, "draft_forward", only_in="draft")
-        timers.hook(engine.target.lm_head, "draft_head", only_in="draft")
     samples = []
     try:
+        _prefill(engine, gen)
+        timers.wrap(engine.drafter, "draft_batch", "draft", phase="draft")
+        timers.wrap(engine.target, "forward", "verify", phase="verify")
+        timers.wrap(engine.cache, "crop", "trim")
+        timers.wrap(engine, "_queue_features", "queue")
+        timers.hook(engine.target.model, "verify_forward", only_in="verify")
+        model = getattr(engine.drafter, "model", None)
+        if model is not None:  # a drafter in this process (a remote one's time is all draft_io)
+            if hasattr(model, "forward_packed"):  # what draft_batch runs: a method, not the module's __call__
+                timers.wrap(model, "forward_packed", "draft_forward")
+            else:
+                timers.hook(model, "draft_forward", only_in="draft")
+            timers.hook(engine.target.lm_head, "draft_head", only_in="draft")
         for i in range(warmup + rounds):
-            if gen.finished:
+            if gen.done:
                 break
             position = gen.position
             t0 = time.perf_counter()
-            out = engine.step(gen)
+            engine.step()
             wall = time.perf_counter() - t0
+            out = _one_round(gen)
             acc = timers.take()
-            acc["acceptance"] = _acceptance_seconds(timers.last, gen.params, gen.seed, position + 1)
+            acc["acceptance"] = _acceptance_seconds(timers.last, gen.params, gen.seed, position + 1,
+                                                    out.stats.draft_tokens)
             if i >= warmup:
                 samples.append((wall, acc, out.stats.committed, out.stats.draft_tokens + 1))
     finally:
         timers.close()
-        engine.release(gen)
+        engine.cancel(gen)
+    if not samples:
+        raise DFlashError(f"profile: no round after {warmup} warm-up rounds; ask for more rounds")
     step_ms = _target_step_ms(baseline, prompt_ids, rounds) if baseline else None
     return _summarize(block_size, draft_confidence, samples, step_ms)
 
 
-def _acceptance_seconds(last: dict, params, seed, position) -> float:
+def _check_idle(engine: SpeculativeEngine) -> None:
+    if engine.num_running or engine.num_waiting:
+        raise DFlashError(f"profile: the engine has {engine.num_running} running and {engine.num_waiting} waiting "
+                          "requests; profile an idle engine (a step runs every session)")
+
+
+def _prefill(engine: SpeculativeEngine, gen: Generation) -> None:
+    """Step until the session's prompt is in the cache and its first token is out (untimed)."""
+    while not gen.output_ids:
+        if gen.error is not None:
+            raise gen.error
+        if not engine.step():
+            raise DFlashError("profile: the engine did not admit the request (cache budget?)")
+    gen.outbox.clear()
+
+
+def _one_round(gen: Generation) -> RoundOutput:
+    """The round the last step produced for `gen` (exactly one: the engine ran that session alone)."""
+    if gen.error is not None:
+        raise gen.error
+    if len(gen.outbox) != 1:
+        raise DFlashError(f"profile: a step produced {len(gen.outbox)} rounds for the session, expected one")
+    return gen.outbox.popleft()
+
+
+def _acceptance_seconds(last: dict, params, seed, position, verified: int) -> float:
     """The round's sampling of the posterior and acceptance, timed again on its own tensors."""
     t0 = time.perf_counter()
-    posterior = sample_tokens(last["verify"].logits, params, seed, position).cpu()
-    draft = last["draft"].to("cpu")
+    posterior = sample_tokens(last["verify"][0].logits, params, seed, position).cpu()
+    draft = last["draft"][0].tokens[:verified].to("cpu")
     committed_tokens(draft, posterior, accept_length(draft, posterior))
     return time.perf_counter() - t0
 
@@ -159,9 +204,10 @@ def _summarize(block_size, draft_confidence, samples, target_step_ms) -> RoundPr
             "acceptance": acc["acceptance"],
         }
         p["draft_io"] = acc.get("draft", 0.0) - p["draft_forward"] - p["draft_head"]
-        # target.forward beyond the network (hidden-state gather) + commit beyond crop (feature queue)
-        p["features"] = (acc.get("verify", 0.0) - p["verify_forward"]) + (acc.get("commit", 0.0) - p["trim"])
-        p["python"] = wall - acc.get("draft", 0.0) - acc.get("verify", 0.0) - acc.get("commit", 0.0) - p["acceptance"]
+        # target.forward beyond the network (packing, hidden-state gather) + queueing the features
+        p["features"] = (acc.get("verify", 0.0) - p["verify_forward"]) + acc.get("queue", 0.0)
+        p["python"] = (wall - acc.get("draft", 0.0) - acc.get("verify", 0.0) - acc.get("queue", 0.0) - p["trim"]
+                       - p["acceptance"])
         for k, v in p.items():
             parts[k].append(1000 * v)
     means = {k: statistics.fmean(parts[k]) for k, _ in PARTS}
@@ -171,20 +217,24 @@ def _summarize(block_size, draft_confidence, samples, target_step_ms) -> RoundPr
 
 
 def _target_step_ms(baseline: SpeculativeEngine, prompt_ids, rounds) -> float:
+    """One target-only round (block 1) of the baseline engine, the same way: one session, step by step."""
+    _check_idle(baseline)
     gen = baseline.start(prompt_ids, SamplingParams(max_new_tokens=rounds + 8, block_size=1, ignore_eos=True))
+    baseline.submit(gen)
     try:
-        baseline.prefill(gen)
+        _prefill(baseline, gen)
         times = []
         for _ in range(rounds + 3):
-            if gen.finished:
+            if gen.done:
                 break
             t0 = time.perf_counter()
-            baseline.step(gen)
+            baseline.step()
             times.append(1000 * (time.perf_counter() - t0))
+            _one_round(gen)
         times = sorted(times[3:] or times)
         return statistics.fmean(times[: max(1, (3 * len(times) + 3) // 4)])
     finally:
-        baseline.release(gen)
+        baseline.cancel(gen)
 
 
 def format_profile(p: RoundProfile, tau: float | None = None) -> str:

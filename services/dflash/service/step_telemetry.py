@@ -18,8 +18,8 @@ from .metrics import ServiceMetrics
 class StepTelemetry:
     """A `StepObserver` (engine.py) for the service."""
 
-    def __init__(self, metrics: ServiceMetrics):
-        self.metrics = metrics
+    def __init__(self, metrics: ServiceMetrics | None = None):
+        self.metrics = metrics or ServiceMetrics("none")
 
     def step_scope(self):
         """The `dflash.step` span, current while the step runs (the drafter calls inside are its children)."""
