@@ -1,10 +1,18 @@
-"""What one DFlash round costs at real scale on a GPU, and the speedup that implies.
+"""What one DFlash round costs at real scale on a GPU, and the speedup that implies, at batch 1 and batched.
 
 Random weights, real shapes: a Qwen3-8B-shaped target (36 layers, hidden 4096, bf16) and a 5-layer
 DFlash drafter built by `DFlashConfig.for_target(..., num_layers=5)`. Acceptance of random weights is
 nil, so the speedup is computed from measured costs at the paper's acceptance lengths:
 speedup = tau * (target-only step) / (DFlash round). Every cost goes through the project's own code
-(TargetModel, LocalDrafter, SpeculativeEngine), so Python overhead counts as it would in use.
+(TargetModel, KVCache, LocalDrafter, SpeculativeEngine), so Python overhead counts as it would in use.
+
+The batched sweep times one packed target forward of B sessions x q tokens (each session with its own
+cached context, cropped back after each forward) and the drafter's batched forward (`draft_batch`,
+block 16) for B sessions, and projects aggregate tokens/s at the paper's tau against plain batched
+decoding (one token per session per forward): DFlash = B * tau / (t_target(B, 16) + t_draft(B)),
+plain = B / t_target(B, 1) (the target without features). It also picks the best verify length per B
+from the same measured curve under a geometric acceptance model fitted to tau. These are projections
+at the paper's tau with random weights, not measured throughput of a trained pair.
 
     python benchmarks/gpu_scale.py --out benchmarks/gpu_scale_h200.json   # on the GPU (about 2 minutes)
     python benchmarks/gpu_scale.py --tiny                                  # the same code, tiny, on CPU
@@ -24,9 +32,12 @@ from pathlib import Path
 import torch
 from dflash.drafter import DFlashConfig, DFlashDraftModel
 from dflash.drafter.local import LocalDrafter
+from dflash.drafter.protocol import DraftRequest
 from dflash.engine import SpeculativeEngine
+from dflash.generation import Generation
 from dflash.params import SamplingParams
-from dflash.target import TargetModel
+from dflash.scheduler import SchedulerConfig
+from dflash.target import ForwardItem, TargetModel
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 PAPER_TAU = {"greedy (paper average, Qwen3-8B)": (0.0, 6.49), "T=1 (paper average, Qwen3-8B)": (1.0, 5.48)}
@@ -38,6 +49,12 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             rms_norm_eps=1e-6, tie_word_embeddings=False)
 VERIFY_SIZES = (1, 4, 8, 16)
 DRAFT_SIZES = (4, 8, 16)
+BATCHES = (1, 2, 4, 8, 16, 32)
+BATCH_VERIFY = (1, 4, 8, 16)  # tokens per session in one packed target forward (q)
+BLOCK = 16  # the drafter's block, what the engine always drafts
+GREEDY_TAU = "greedy (paper average, Qwen3-8B)"
+PROJECTION = "projection at the paper's tau, random weights"
+PREFILL_TOKENS = 4096  # at most this many tokens in one set-up (prefill) forward
 
 
 def random_init(module: torch.nn.Module, seed: int) -> None:
@@ -97,48 +114,79 @@ class Clock:
 def measure_verify(target: TargetModel, plain: TargetModel, context: int, clock: Clock, iters, warmup) -> dict:
     """Target forward of k tokens after `context` cached positions (features on, as DFlash verifies);
     `step_1` is the target alone (no features), the baseline's step."""
-    vocab = target.vocab_size
-    cache = target.new_cache()
-    target.forward(torch.randint(0, vocab - 1, (context,)).tolist(), 0, cache, last_only=True)
+    vocab, session, most = target.vocab_size, "verify", context + max(VERIFY_SIZES)
+    cache = target.new_cache(most)
+    cache.reserve(session, most)
+    plain.forward(cache, [ForwardItem(session, _random_ids(vocab, context), 0, last_only=True)])
     out = {}
     for k in VERIFY_SIZES:
-        ids = torch.randint(0, vocab - 1, (k,)).tolist()
-        out[f"verify_{k}"] = clock.ms(partial(_forward_and_crop, target, ids, context, cache), iters, warmup)
-    out["step_1"] = clock.ms(partial(_forward_and_crop, plain, [1], context, cache), iters, warmup)
+        items = [ForwardItem(session, _random_ids(vocab, k), context)]
+        out[f"verify_{k}"] = clock.ms(partial(_forward_and_crop, target, cache, items, context), iters, warmup)
+    out["step_1"] = clock.ms(partial(_forward_and_crop, plain, cache, [ForwardItem(session, (1,), context)], context),
+                             iters, warmup)
+    cache.free(session)
     return out
 
 
-def _forward_and_crop(model: TargetModel, ids: list[int], context: int, cache) -> None:
-    model.forward(ids, context, cache)
-    model.crop(cache, context)
+def _random_ids(vocab: int, n: int, generator: torch.Generator | None = None) -> tuple[int, ...]:
+    return tuple(torch.randint(0, vocab - 1, (n,), generator=generator).tolist())
+
+
+def _forward_and_crop(model: TargetModel, cache, items: list[ForwardItem], context: int) -> None:
+    """One packed forward onto sessions holding `context` positions, then every session back to `context`."""
+    model.forward(cache, items)
+    for item in items:
+        cache.crop(item.session_id, context)
 
 
 @torch.inference_mode()
 def measure_draft(drafter: LocalDrafter, context: int, features: int, new_context: int, clock: Clock, iters,
                   warmup) -> dict:
-    """One `draft` call per block size, after `context` positions are cached; each call brings
+    """One drafter call per block size, after `context` positions are cached; each call brings
     `new_context` newly committed positions (about tau), as in decoding."""
     device, dtype = drafter.embed_tokens.weight.device, drafter.embed_tokens.weight.dtype
     out = {}
     for size in DRAFT_SIZES:
         session = f"draft-{size}"
-        drafter.draft(session, torch.randn(context, features, device=device, dtype=dtype), 0, 1, size)
+        drafter.draft_batch([DraftRequest(session, torch.randn(context, features, device=device, dtype=dtype), 0, 1,
+                                          size)])
         reached = [context]  # the position the session's context reaches, advanced by each call
         new = torch.randn(new_context, features, device=device, dtype=dtype)
-        out[f"draft_{size}"] = clock.ms(partial(_draft_next, drafter, session, new, reached, size), iters, warmup)
+        out[f"draft_{size}"] = clock.ms(partial(_draft_next, drafter, [session], new, reached, size), iters, warmup)
         drafter.release(session)
     return out
 
 
-def _draft_next(drafter: LocalDrafter, session: str, new: torch.Tensor, reached: list[int], size: int) -> None:
-    drafter.draft(session, new, reached[0], 1, size)
-    reached[0] += new.shape[0]
+def _draft_next(drafter: LocalDrafter, sessions: list[str], new: torch.Tensor, reached: list[int], size: int) -> None:
+    """One batched drafter forward: every session brings `new` context rows and drafts a block of `size`."""
+    drafter.draft_batch([DraftRequest(s, new, reached[i], 1, size) for i, s in enumerate(sessions)])
+    for i in range(len(sessions)):
+        reached[i] += new.shape[0]
+
+
+def _prefill(engine: SpeculativeEngine, gen: Generation) -> None:
+    """Step until the request's prompt is cached and its first token is out."""
+    while not gen.output_ids:
+        if gen.error is not None:
+            raise gen.error
+        if not engine.step():
+            raise RuntimeError("gpu_scale: the engine did not admit the request")
+    gen.outbox.clear()
+
+
+def _round(engine: SpeculativeEngine, gen: Generation) -> None:
+    """One engine step; with one running session, one round of it."""
+    engine.step()
+    if gen.error is not None:
+        raise gen.error
+    gen.outbox.clear()
 
 
 @torch.inference_mode()
 def measure_rounds(engine: SpeculativeEngine, baseline: SpeculativeEngine, context: int, clock: Clock, iters,
                    warmup) -> dict:
-    """Full engine rounds (`step`): DFlash at block 16 and 8, the target alone at block 1; T=0 and T=1."""
+    """Full engine rounds (`step` with one session running): DFlash at block 16 and 8, the target alone
+    at block 1; T=0 and T=1."""
     prompt = torch.randint(0, engine.target.vocab_size - 1, (context,)).tolist()
     out = {}
     for name, eng, block in (("round_16", engine, 16), ("round_8", engine, 8), ("target_step", baseline, 1)):
@@ -146,10 +194,115 @@ def measure_rounds(engine: SpeculativeEngine, baseline: SpeculativeEngine, conte
             params = SamplingParams(max_new_tokens=(iters + warmup + 2) * block, temperature=temperature, seed=0,
                                     block_size=block, ignore_eos=True)
             gen = eng.start(prompt, params)
-            eng.prefill(gen)
-            out[f"{name}_t{temperature:g}"] = clock.ms(partial(eng.step, gen), iters, warmup)
-            eng.release(gen)
+            eng.submit(gen)
+            try:
+                _prefill(eng, gen)
+                out[f"{name}_t{temperature:g}"] = clock.ms(partial(_round, eng, gen), iters, warmup)
+            finally:
+                eng.cancel(gen)
     return out
+
+
+@torch.inference_mode()
+def measure_batched(target: TargetModel, plain: TargetModel, drafter: LocalDrafter, context: int, features: int,
+                    new_context: int, batches: tuple[int, ...], clock: Clock, iters, warmup) -> dict:
+    """Packed target forwards of B sessions x q tokens (features on), the plain target at q = 1, and the
+    drafter's batched forward for B sessions at block 16; every session has its own `context` positions."""
+    vocab, most, qmax = target.vocab_size, max(batches), max(BATCH_VERIFY)
+    device, dtype = drafter.embed_tokens.weight.device, drafter.embed_tokens.weight.dtype
+    g = torch.Generator(device="cpu").manual_seed(0)
+    sessions = [f"batch-{i}" for i in range(most)]
+    cache = target.new_cache(most * (context + qmax))
+    for s in sessions:
+        cache.reserve(s, context + qmax)
+    per = max(1, PREFILL_TOKENS // max(context, 1))
+    for i in range(0, most, per):  # prefill every session once (the cache's keys are what matter, not features)
+        plain.forward(cache, [ForwardItem(s, _random_ids(vocab, context, g), 0, last_only=True)
+                              for s in sessions[i : i + per]])
+    target_ms: dict[str, dict] = {}
+    baseline_ms: dict[str, dict] = {}
+    for b in batches:
+        row = {}
+        for q in BATCH_VERIFY:
+            items = [ForwardItem(s, _random_ids(vocab, q, g), context) for s in sessions[:b]]
+            row[str(q)] = clock.ms(partial(_forward_and_crop, target, cache, items, context), iters, warmup)
+        target_ms[str(b)] = row
+        items = [ForwardItem(s, _random_ids(vocab, 1, g), context) for s in sessions[:b]]
+        baseline_ms[str(b)] = clock.ms(partial(_forward_and_crop, plain, cache, items, context), iters, warmup)
+    for s in sessions:
+        cache.free(s)
+    del cache
+
+    drafts = [f"batch-draft-{i}" for i in range(most)]
+    for i in range(0, most, per):  # every drafter session holds `context` positions first
+        drafter.draft_batch([DraftRequest(s, torch.randn(context, features, device=device, dtype=dtype),
+                                          0, 1, BLOCK) for s in drafts[i : i + per]])
+    reached = [context] * most
+    new = torch.randn(new_context, features, device=device, dtype=dtype)
+    draft_ms = {}
+    for b in batches:
+        sub = reached[:b]
+        draft_ms[str(b)] = clock.ms(partial(_draft_next, drafter, drafts[:b], new, sub, BLOCK), iters, warmup)
+        reached[:b] = sub
+    for s in drafts:
+        drafter.release(s)
+    return {"label": PROJECTION, "context": context, "block_size": BLOCK, "new_context_per_draft": new_context,
+            "batches": list(batches), "verify_tokens": list(BATCH_VERIFY), "iters": iters, "warmup": warmup,
+            "target_ms": target_ms, "baseline_ms": baseline_ms, "draft_ms": draft_ms}
+
+
+def expected_committed(p: float, k: int) -> float:
+    """Tokens a round commits verifying k drafts when each is accepted with probability p given the ones
+    before it (the bonus token included): 1 + p + p^2 + ... + p^k."""
+    return sum(p**j for j in range(k + 1))
+
+
+def fit_acceptance(tau: float, drafts: int) -> float:
+    """The p of the geometric model whose expected committed tokens at `drafts` drafts equal tau."""
+    if tau >= drafts + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_committed(mid, drafts) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
+def interpolate(points: list[tuple[int, float]], x: int) -> float:
+    """Linear interpolation between measured (q, ms) points (the measured value at a measured q)."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    raise ValueError(f"q = {x} is outside the measured {points[0][0]}..{points[-1][0]}")
+
+
+def project_batched(batched: dict, tau: float) -> dict:
+    """Aggregate tokens/s per batch, DFlash at tau (block 16) vs plain batched decoding, and the best verify
+    length per batch under the geometric model (times between measured q interpolated linearly)."""
+    block = batched["block_size"]
+    p = fit_acceptance(tau, block - 1)
+    rows, best = [], []
+    for b in batched["batches"]:
+        t_q = batched["target_ms"][str(b)]
+        t_block, t_draft = t_q[str(block)]["median"], batched["draft_ms"][str(b)]["median"]
+        plain = b / (batched["baseline_ms"][str(b)]["median"] / 1000)
+        dflash = b * tau / ((t_block + t_draft) / 1000)
+        rows.append({"batch": b, "baseline_tokens_per_s": round(plain, 1), "dflash_tokens_per_s": round(dflash, 1),
+                     "speedup": round(dflash / plain, 3)})
+        curve = partial(interpolate, sorted((int(q), v["median"]) for q, v in t_q.items()))
+        options = [(plain, 1, 1.0)]  # q = 1: no draft, plain decoding
+        for q in range(2, block + 1):
+            committed = expected_committed(p, q - 1)
+            options.append((b * committed / ((curve(q) + t_draft) / 1000), q, committed))
+        tps, q, committed = max(options)
+        best.append({"batch": b, "verify_tokens": q, "expected_committed": round(committed, 3),
+                     "tokens_per_s": round(tps, 1), "speedup": round(tps / plain, 3)})
+    model = (f"geometric acceptance: each draft accepted with p = {p:.4f} given the ones before (fitted so that "
+             f"{block - 1} drafts commit tau = {tau} tokens); target time at q between measured points "
+             "interpolated linearly; q = 1 is plain decoding (no draft)")
+    return {"label": PROJECTION, "tau": tau, "tau_source": f"{GREEDY_TAU}, block {block}",
+            "formula": "DFlash tok/s = B * tau / (t_target(B, 16) + t_draft(B)); plain tok/s = B / t_target(B, 1)",
+            "rows": rows, "best_verify": {"label": f"{PROJECTION}; {model}", "acceptance_p": round(p, 4), "rows": best}}
 
 
 def implied(costs: dict) -> dict:
@@ -166,7 +319,7 @@ def implied(costs: dict) -> dict:
         "verify_16_over_verify_1": round(v16 / v1, 3), "verify_goal_<=1.15": v16 / v1 <= 1.15,
         "draft_16_over_target_step": round(costs["draft_16"]["median"] / costs["step_1"]["median"], 3),
         "draft_goal_<0.15": costs["draft_16"]["median"] / costs["step_1"]["median"] < 0.15,
-        "speedup_goal_>5_at_tau_6.49": res["greedy (paper average, Qwen3-8B)"]["speedup_engine"] > 5,
+        "speedup_goal_>5_at_tau_6.49": res[GREEDY_TAU]["speedup_engine"] > 5,
     }
     return {"speedups": res, "goals": goals}
 
@@ -189,16 +342,54 @@ def markdown(result: dict) -> str:
     for label, s in result["speedups"].items():
         lines.append(f"| {label} | {s['tau']} | {s['speedup_engine']:.2f}x | {s['speedup_networks_only']:.2f}x |")
     lines += ["", "Goals: " + ", ".join(f"{k} = {v}" for k, v in result["goals"].items())]
+    if "batched" in result:
+        lines += ["", markdown_batched(result["batched"])]
     return "\n".join(lines)
+
+
+def markdown_batched(batched: dict) -> str:
+    proj, qs = batched["projection"], batched["verify_tokens"]
+    best = {r["batch"]: r for r in proj["best_verify"]["rows"]}
+    lines = [f"Batched: B sessions x q tokens in one packed target forward, each session with {batched['context']} "
+             f"cached tokens; drafter: one batched forward at block {batched['block_size']} with "
+             f"{batched['new_context_per_draft']} new context rows per session (median ms of {batched['iters']}). "
+             f"Tokens/s: {PROJECTION} (tau {proj['tau']}).", "",
+             "| B | " + " | ".join(f"target q={q} ms" for q in qs) + " | plain q=1 ms | draft ms "
+             "| plain tok/s | DFlash tok/s (projected) | x | best q (geometric) | tok/s at best q | x |",
+             "|---" * (len(qs) + 9) + "|"]
+    for r in proj["rows"]:
+        b, key = r["batch"], str(r["batch"])
+        t = batched["target_ms"][key]
+        bq = best[b]
+        lines.append(f"| {b} | " + " | ".join(f"{t[str(q)]['median']:.3f}" for q in qs)
+                     + f" | {batched['baseline_ms'][key]['median']:.3f} | {batched['draft_ms'][key]['median']:.3f}"
+                     f" | {r['baseline_tokens_per_s']:.1f} | {r['dflash_tokens_per_s']:.1f} | {r['speedup']:.2f}x"
+                     f" | {bq['verify_tokens']} | {bq['tokens_per_s']:.1f} | {bq['speedup']:.2f}x |")
+    lines += ["", f"{proj['formula']}.", f"Best q: {proj['best_verify']['label']}."]
+    return "\n".join(lines)
+
+
+def parse_batches(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected batch sizes like 1,2,4, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive, got {text!r}")
+    return tuple(sorted(set(values)))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU in float32 (tests the script)")
-    p.add_argument("--context", type=int, help="cached context tokens (default 512; --tiny 64)")
+    p.add_argument("--context", type=int, help="cached context tokens per session (default 512; --tiny 64)")
     p.add_argument("--iters", type=int, help="timed repetitions (default 30; --tiny 3)")
     p.add_argument("--warmup", type=int, help="untimed repetitions first (default 5; --tiny 1)")
     p.add_argument("--new-context", type=int, default=7, help="context positions each draft call brings (about tau)")
+    p.add_argument("--batches", type=parse_batches, default=BATCHES,
+                   help="batch sizes of the batched sweep (default 1,2,4,8,16,32)")
+    p.add_argument("--batch-iters", type=int, help="timed repetitions per batched cell (default 10; --tiny 2)")
+    p.add_argument("--no-batched", action="store_true", help="skip the batched sweep")
     p.add_argument("--out", type=Path, help="write the JSON result here")
     args = p.parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():
@@ -208,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float32 if args.tiny else torch.bfloat16
     context, iters, warmup = args.context or (64 if args.tiny else 512), args.iters or (3 if args.tiny else 30), \
         args.warmup if args.warmup is not None else (1 if args.tiny else 5)
-    target_model, draft_model = build(TINY if args.tiny else QWEN3_8B, 5, 16, device, dtype)
+    batch_iters = args.batch_iters or (2 if args.tiny else 10)
+    target_model, draft_model = build(TINY if args.tiny else QWEN3_8B, 5, BLOCK, device, dtype)
     target = TargetModel(target_model, draft_model.config.target_layer_ids)
     plain = TargetModel(target_model)
     drafter = LocalDrafter(draft_model, target.embed_tokens, target.lm_head)
@@ -216,7 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     features = draft_model.config.hidden_size * len(draft_model.config.target_layer_ids)
     costs = measure_verify(target, plain, context, clock, iters, warmup)
     costs |= measure_draft(drafter, context, features, args.new_context, clock, iters, warmup)
-    costs |= measure_rounds(SpeculativeEngine(target, drafter), SpeculativeEngine(plain), context, clock, iters, warmup)
+    # "full": every round verifies its whole block, so a round's cost is the cost of its parts
+    config = SchedulerConfig(verify_policy="full", cache_tokens=max(1 << 16, 2 * (context + (iters + warmup + 3) * BLOCK)))
+    costs |= measure_rounds(SpeculativeEngine(target, drafter, config=config),
+                            SpeculativeEngine(plain, None, config=config), context, clock, iters, warmup)
     result = {"shape": "tiny" if args.tiny else "Qwen3-8B", "drafter_layers": 5, "dtype": str(dtype).split(".")[-1],
               "context": context, "new_context_per_draft": args.new_context,
               "machine": {"device": torch.cuda.get_device_name(0) if device.type == "cuda"
@@ -225,6 +420,11 @@ def main(argv: list[str] | None = None) -> int:
                           "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
               "command": " ".join(["python benchmarks/gpu_scale.py", *(argv if argv is not None else sys.argv[1:])]),
               "costs_ms": costs, **implied(costs)}
+    if not args.no_batched:
+        batched = measure_batched(target, plain, drafter, context, features, args.new_context, args.batches, clock,
+                                  batch_iters, min(warmup, 2))
+        batched["projection"] = project_batched(batched, PAPER_TAU[GREEDY_TAU][1])
+        result["batched"] = batched
     print(markdown(result))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

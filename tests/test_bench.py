@@ -342,6 +342,29 @@ def test_gpu_scale_script_runs_tiny(tmp_path):
     assert {f"verify_{k}" for k in (1, 4, 8, 16)} | {"draft_4", "draft_8", "draft_16", "round_16_t0"} <= set(costs)
     assert set(result["speedups"]) == {"greedy (paper average, Qwen3-8B)", "T=1 (paper average, Qwen3-8B)"}
     assert "verify_goal_<=1.15" in result["goals"] and "| at the paper's tau |" in proc.stdout
+    # the batched sweep: packed target forwards of B sessions x q tokens, the batched drafter, the projection
+    batched = result["batched"]
+    label = "projection at the paper's tau, random weights"
+    assert batched["label"] == batched["projection"]["label"] == label and label in proc.stdout
+    assert batched["batches"] == [1, 2, 4, 8, 16, 32] and batched["verify_tokens"] == [1, 4, 8, 16]
+    keys = {str(b) for b in batched["batches"]}
+    assert set(batched["target_ms"]) == set(batched["baseline_ms"]) == set(batched["draft_ms"]) == keys
+    assert all(set(row) == {"1", "4", "8", "16"} for row in batched["target_ms"].values())
+    assert all(cell["median"] > 0 and cell["n"] == 2 for row in batched["target_ms"].values() for cell in row.values())
+    proj = batched["projection"]
+    assert proj["tau"] == 6.49 and [r["batch"] for r in proj["rows"]] == batched["batches"]
+    for r in proj["rows"]:
+        b = str(r["batch"])
+        t16, draft = batched["target_ms"][b]["16"]["median"], batched["draft_ms"][b]["median"]
+        assert r["dflash_tokens_per_s"] == pytest.approx(r["batch"] * 6.49 / ((t16 + draft) / 1000), abs=0.06)
+        assert r["baseline_tokens_per_s"] == pytest.approx(r["batch"] / (batched["baseline_ms"][b]["median"] / 1000),
+                                                           abs=0.06)
+    best = proj["best_verify"]
+    assert 0.8 < best["acceptance_p"] < 0.9 and "geometric" in best["label"] and label in best["label"]
+    for r, b in zip(best["rows"], proj["rows"]):
+        assert 1 <= r["verify_tokens"] <= 16 and r["tokens_per_s"] >= max(b["dflash_tokens_per_s"],
+                                                                           b["baseline_tokens_per_s"]) - 0.1
+    assert "| B | target q=1 ms |" in proc.stdout and "best q (geometric)" in proc.stdout
 
 
 def test_anchor_difficulty_script_runs_on_the_demo_pair():

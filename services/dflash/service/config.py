@@ -141,7 +141,8 @@ class ServiceConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     ingress: DeploymentConfig = field(default_factory=lambda: DeploymentConfig(ray_actor_options={"num_cpus": 0.1}))
-    verifier: DeploymentConfig = field(default_factory=DeploymentConfig)
+    # The verifier's scheduler batches its streams: Serve may hand it many at once.
+    verifier: DeploymentConfig = field(default_factory=lambda: DeploymentConfig(max_ongoing_requests=64))
     drafter: DeploymentConfig = field(default_factory=DeploymentConfig)
     drafter_net: DrafterNetConfig = field(default_factory=DrafterNetConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
