@@ -6,6 +6,7 @@ context log), target-only fallback, resumption, and one trace per request with t
 """
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -242,3 +243,49 @@ def test_windowed_context_log_rebuild_keeps_output_exact(service):
             rows = [codec.unpack_log_entry(e)[1].shape[0] for e in store.context_log(request.session_id)]
             assert 16 <= sum(rows) < len(PROMPTS[0])  # the prompt entry is gone
     assert killed and got == expected(reference, PROMPTS[0], 40).token_ids
+
+
+CONCURRENT = [
+    (PROMPTS[i % 3] + " " * (i // 3), {"max_new_tokens": 10 + 3 * i, "ignore_eos": True,
+                                        "temperature": (0.0, 0.9)[i % 2], "seed": i,
+                                        **({"stop": ["\n"]} if i == 5 else {})})
+    for i in range(8)
+]
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_concurrent_streams_share_steps_and_get_their_solo_output(model_dirs, redis_url, mode):
+    """Eight Generate streams at once through the verifier (each in its own thread, as Serve runs them):
+    each gets exactly its solo output, their rounds share batched steps, and in disaggregated mode the
+    drafter replicas draft many sessions per DraftBatch call."""
+    config = config_for(model_dirs, redis_url, mode=mode)
+    store = RedisSessionStore(redis_url)
+    servers = [] if mode == "colocated" else [
+        DrafterServer(build_draft_sessions(config, store), store, advertise_every_s=0.2).start() for _ in range(2)]
+    verifier = Verifier(build_verifier_engine(config, store, None), store, "tiny")
+    reference = build_engine(model_dirs[0], model_dirs[1], device="cpu", dtype="float32")
+    EXPORTER.clear()
+    got = {}
+
+    def client(i):
+        prompt, params = CONCURRENT[i]
+        got[i] = run(verifier, VerifyRequest(f"c-{mode}-{i}", params, prompt_text=prompt))
+
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+    finally:
+        for s in servers:
+            s.stop()
+    for i, (prompt, params) in enumerate(CONCURRENT):
+        want = reference.run(reference.encode(prompt), SamplingParams(**params))
+        assert tokens_of(got[i]) == want.token_ids, i
+        assert "".join(c.text for c in got[i]) == want.text
+    spans = EXPORTER.get_finished_spans()
+    assert max(s.attributes["dflash.step.sessions"] for s in spans if s.name == "dflash.step") > 1
+    if servers:
+        assert max(s.attributes["dflash.sessions"] for s in spans if s.name == "dflash.draft") > 1
+    assert verifier.engine.cache.num_sessions == 0 and verifier.engine.cache.allocated_bytes == 0

@@ -250,9 +250,10 @@ def read_spans() -> list[dict]:
 
 
 def check_one_trace_across_processes(session: str, killed_drafter: str) -> None:
-    """The request span (ingress), its round spans (verifier) and the drafter replicas' spans share
-    one trace; each draft span's parent is one of the rounds; drafts ran in two drafter processes
-    (the one killed mid-stream, then the survivor)."""
+    """The request span (ingress) and its round spans (verifier) share one trace; each round links to
+    the batched `dflash.step` it ran in (a trace of its own: a step serves many requests), whose
+    children are the drafter replicas' spans; drafts ran in two drafter processes (the one killed
+    mid-stream, then the survivor)."""
     deadline = time.monotonic() + 30
     while True:  # the ingress ends its span after the last chunk is sent
         spans = read_spans()
@@ -267,12 +268,14 @@ def check_one_trace_across_processes(session: str, killed_drafter: str) -> None:
     trace_id = request["context"]["trace_id"]
     in_trace = [s for s in spans if s["context"]["trace_id"] == trace_id]
     rounds = [s for s in in_trace if s["name"] == "dflash.round"]
-    drafts = [s for s in in_trace if s["name"] == "dflash.draft"]
     assert len(rounds) >= 5 and all(r["file"].startswith("spans-dflash-verifier-") for r in rounds)
     assert all(r["parent_id"] == request["context"]["span_id"] for r in rounds)
-    round_ids = {r["context"]["span_id"] for r in rounds}
-    assert drafts and all(d["parent_id"] in round_ids for d in drafts)
-    assert all(d["file"].startswith("spans-dflash-drafter-") for d in drafts)
+    assert all(len(r["links"]) == 1 for r in rounds)
+    step_ids = {r["links"][0]["context"]["span_id"] for r in rounds}
+    steps = [s for s in spans if s["name"] == "dflash.step" and s["context"]["span_id"] in step_ids]
+    assert len(steps) == len(step_ids) and all(s["file"].startswith("spans-dflash-verifier-") for s in steps)
+    drafts = [s for s in spans if s["name"] == "dflash.draft" and s["parent_id"] in step_ids]
+    assert drafts and all(d["file"].startswith("spans-dflash-drafter-") for d in drafts)
     replicas = {d["attributes"]["dflash.drafter.replica"] for d in drafts}
     assert killed_drafter in replicas and len({d["file"] for d in drafts}) == 2, replicas
     assert any(d["attributes"]["dflash.drafter.rebuilt"] for d in drafts if d["attributes"]["dflash.drafter.replica"] != killed_drafter)
