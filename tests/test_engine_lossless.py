@@ -7,7 +7,7 @@ from dflash.engine import SpeculativeEngine
 from dflash.params import SamplingParams
 from dflash.target import TargetModel
 from tiny import (
-    EOS_ID, TargetDistributionDrafter, char_tokenizer, engine_for, hf_greedy, oracle_engine, prompts, tiny_drafter,
+    EOS_ID, FULL, TargetDistributionDrafter, char_tokenizer, engine_for, hf_greedy, oracle_engine, prompts, tiny_drafter,
     tiny_target,
 )
 
@@ -213,7 +213,7 @@ def test_coupled_proposals_of_the_targets_distribution_are_always_accepted(targe
     taus = {}
     for argmax_only in (False, True):
         drafter = TargetDistributionDrafter(target, prompt, expected, block_size=8, argmax_only=argmax_only)
-        got = SpeculativeEngine(TargetModel(target, (0,)), drafter).run(prompt, params)
+        got = SpeculativeEngine(TargetModel(target, (0,)), drafter, config=FULL).run(prompt, params)
         assert got.token_ids == expected
         taus[argmax_only] = got.stats.tau
         if not argmax_only:  # 39 tokens after the prefill's first: 8 per round, the last round 7

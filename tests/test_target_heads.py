@@ -32,14 +32,14 @@ def drafts(model, embed, lm_head, draft_model, prompt, rounds=3):
     """Draft blocks over the target's real features, one round after another."""
     target = TargetModel(model, draft_model.config.target_layer_ids)
     drafter = LocalDrafter(draft_model, embed, lm_head)
-    out = target.forward(prompt, 0, target.new_cache())
+    out = target.forward_alone(prompt)
     blocks, start = [], 0
     for _ in range(rounds):
         block = drafter.draft("s", out.features[start:], start, prompt[-1], draft_model.config.block_size)
         blocks.append(block.tolist())
         start = out.features.shape[0]
         prompt = prompt + block[:2].tolist()
-        out = target.forward(prompt, 0, target.new_cache())
+        out = target.forward_alone(prompt)
     return blocks
 
 

@@ -16,6 +16,7 @@ from dflash.drafter.checkpoint import load_drafter
 from dflash.drafter.config import DFlashConfig
 from dflash.drafter.model import DFlashDraftModel
 from dflash.loading import build_engine, load_target, resolve_dtype
+from dflash.scheduler import SchedulerConfig
 from dflash.errors import DFlashError
 from dflash.params import SamplingParams
 from dflash.target import TargetModel
@@ -373,7 +374,7 @@ def test_features_match_engine_target_and_cache(tmp_path):
     for layer_ids, last_hidden in (((0, 2), False), ((1, 3), False), ((0, 2), True)):
         online = OnlineFeatures(model, layer_ids, with_last_hidden=last_hidden)
         assert online.early_exit == (layer_ids == (0, 2) and not last_hidden)
-        engine = TargetModel(model, layer_ids).forward(samples[0].input_ids, 0, TargetModel(model).new_cache())
+        engine = TargetModel(model, layer_ids).forward_alone(samples[0].input_ids)
         assert torch.allclose(online(batch).features[0, :n0], engine.features, atol=1e-5)
     got = OnlineFeatures(model, (1, 3), with_last_hidden=True)(batch)
     cache_features(model, samples, tmp_path / "feats", (1, 3), with_last_hidden=True, batch_size=2, pad_id=0,
@@ -582,7 +583,8 @@ def test_cli_train_end_to_end(tmp_path):
     taus = [r["tau"] for r in log if r["event"] == "eval"]
     assert len(taus) == 4 and taus[-1] > 2.5, taus  # block 4: at most 4 tokens per round
 
-    engine = build_engine(target_dir, out, device="cpu", dtype="float32")
+    # Every proposal verified: this checks the trained drafter, not the verify policy's choice on 2 cores.
+    engine = build_engine(target_dir, out, device="cpu", dtype="float32", scheduler=SchedulerConfig(verify_policy="full"))
     plain = build_engine(target_dir, None, device="cpu", dtype="float32")
     for prompt in ([10, 12, 14], [5, 9, 40, 41]):
         params = SamplingParams(max_new_tokens=20, ignore_eos=True)

@@ -7,8 +7,9 @@ A step reads like the paper's round, for every running session at once:
     k = verify lengths                    # adaptive: what pays at this batch on this device
     outs = target.forward(...)            # ONE packed forward: verify blocks + prefill chunks
     accept, commit, emit per session      # the pure round functions of rounds.py
-A single request is the same path with one session. There is no engine thread: whichever request's
-stream needs output next runs the step (under the engine's lock), for everyone.
+A single request is the same path with one session. In process, whichever request's stream needs output
+next runs the step (under the engine's lock), for everyone; a server calls `start_loop()` and one
+background thread steps while streams wait for their output.
 """
 
 from __future__ import annotations
@@ -34,9 +35,12 @@ from .scheduler import Scheduler, SchedulerConfig, StepPlan
 from .stats import GenerationStats, RoundStats
 from .target import ForwardItem, TargetModel
 from .textstream import TextStream
-from .verify_policy import CostCurve, choose_verify_lengths, measure_cost_curve
+from .verify_policy import (
+    CostCurve, DraftCost, acceptance_rate, choose_drafted, choose_verify_lengths, measure_cost_curve,
+)
 
 log = logging.getLogger(__name__)
+ACCEPT_DECAY = 0.8  # per round: a session's acceptance estimate follows the last ~5 rounds
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,10 @@ class SpeculativeEngine:
         self.scheduler = Scheduler(config, self.cache)
         self.observer = observer
         self._lock = threading.RLock()
+        self._stepped = threading.Condition(self._lock)  # notified after every step and every submit
+        self._loop: threading.Thread | None = None
         self.cost_curve = cost_curve
+        self.draft_cost = DraftCost()
         if self.cost_curve is None and drafter is not None and config.verify_policy == "adaptive":
             self.cost_curve = self._measure_cost_curve()
 
@@ -165,6 +172,22 @@ class SpeculativeEngine:
         reserve = min(len(gen.prompt_ids) + gen.params.max_new_tokens + gen.block_size, self.target.max_positions)
         with self._lock:
             self.scheduler.add(gen, reserve)
+            self._stepped.notify_all()
+
+    def start_loop(self) -> None:
+        """From now on, step in one background thread whenever there is work (a server with many
+        streams): streams then wait for their output instead of taking turns at stepping."""
+        with self._lock:
+            if self._loop is None:
+                self._loop = threading.Thread(target=self._step_forever, daemon=True, name="dflash-engine-loop")
+                self._loop.start()
+
+    def _step_forever(self) -> None:
+        while True:
+            with self._lock:
+                while not (self.scheduler.running or self.scheduler.waiting):
+                    self._stepped.wait()
+            self.step()
 
     def stream(self, gen: Generation) -> Iterator[RoundOutput]:
         """The rounds of a submitted request, running steps (for every session) while it needs output.
@@ -180,6 +203,10 @@ class SpeculativeEngine:
                     raise gen.error
                 elif gen.cancelled:
                     return
+                elif self._loop is not None:
+                    with self._lock:
+                        while not (gen.outbox or gen.done):
+                            self._stepped.wait()
                 else:
                     self.step(waiter=gen)
         finally:
@@ -234,15 +261,20 @@ class SpeculativeEngine:
             for gen in list(self.scheduler.running):
                 if gen.done:
                     self._retire(gen)
+            self._stepped.notify_all()
             return True
 
     def _run(self, plan: StepPlan) -> None:
         start_ns, t0 = time.time_ns(), time.perf_counter()
-        sizes = [self._round_block_size(g) for g in plan.decodes]
+        prefill_tokens = sum(n for _, n in plan.prefills)
+        base_tokens = len(plan.decodes) + prefill_tokens
+        sizes = self._drafted_sizes(plan.decodes, base_tokens)
         drafts = self._propose(plan.decodes, sizes)
         t1 = time.perf_counter()
-        prefill_tokens = sum(n for _, n in plan.prefills)
-        lengths = self._verify_lengths(drafts, len(plan.decodes) + prefill_tokens)
+        asked = sum(s > 1 for s in sizes)
+        if asked:
+            self.draft_cost.observe(asked, (t1 - t0) * 1000)
+        lengths = self._verify_lengths(drafts, base_tokens)
         verified = [d.tokens[:k] for d, k in zip(drafts, lengths)]
         items = [ForwardItem(g.request_id, (g.last_token, *v.tolist()), g.position)
                  for g, v in zip(plan.decodes, verified)]
@@ -290,6 +322,16 @@ class SpeculativeEngine:
             drafts[i] = Draft(d.tokens[: sizes[i] - 1].to("cpu", torch.long), d.probs[: sizes[i] - 1], d.replica)
         return drafts
 
+    def _drafted_sizes(self, decodes: list[Generation], base_tokens: int) -> list[int]:
+        """Each session's block this round; 1 (no draft) where the adaptive policy finds that drafting
+        it does not pay for the drafter's and the verifier's time at this batch."""
+        sizes = [self._round_block_size(g) for g in decodes]
+        if self.config.verify_policy == "full" or self.cost_curve is None:
+            return sizes
+        rates = [acceptance_rate(g.accepted_ema, g.rejected_ema) for g in decodes]
+        drafted = choose_drafted(rates, [s - 1 for s in sizes], base_tokens, self.cost_curve, self.draft_cost)
+        return [s if d else 1 for s, d in zip(sizes, drafted)]
+
     def _verify_lengths(self, drafts: list[Draft], base_tokens: int) -> list[int]:
         if self.config.verify_policy == "full" or self.cost_curve is None:
             return [d.tokens.shape[0] for d in drafts]
@@ -302,6 +344,9 @@ class SpeculativeEngine:
         accepted = accept_length(draft, posterior)
         new_tokens = committed_tokens(draft, posterior, accepted)
         self.cache.crop(gen.request_id, gen.position + accepted + 1)
+        if len(draft):  # the session's acceptance rate, for the next rounds' decisions
+            gen.accepted_ema = ACCEPT_DECAY * gen.accepted_ema + accepted
+            gen.rejected_ema = ACCEPT_DECAY * gen.rejected_ema + (accepted < len(draft))
         if gen.block_size > 1:
             self._queue_features(gen, out.features[: accepted + 1])
         stats = RoundStats(gen.num_rounds + 1, len(draft), accepted, accepted + 1, 0, draft_ms, verify_ms, drafter)

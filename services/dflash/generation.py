@@ -67,6 +67,9 @@ class Generation:
     cancelled: bool = False
     retired: bool = False
     error: BaseException | None = None
+    accepted_ema: float = 2.0
+    rejected_ema: float = 1.0
+    """Decayed counts of accepted proposals and of rejections: the session's acceptance rate (a prior of 2/3)."""
     trace_context: object = None
     """An OpenTelemetry context the request's round spans are children of (None: untraced)."""
 

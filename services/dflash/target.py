@@ -104,3 +104,10 @@ class TargetModel:
             results.append(TargetOutput(logits[row : row + kept], features[offset : offset + n]))
             row += kept
         return results
+
+    def forward_alone(self, token_ids) -> TargetOutput:
+        """One sequence from position 0 on a throwaway cache: logits and features of every token."""
+        ids = tuple(int(t) for t in token_ids)
+        cache = self.new_cache(len(ids))
+        cache.reserve("alone", len(ids))
+        return self.forward(cache, [ForwardItem("alone", ids, 0)])[0]

@@ -85,3 +85,57 @@ def choose_verify_lengths(probs: Sequence[torch.Tensor], base_tokens: int, cost:
         if lengths[i] < len(gains[i]):
             heapq.heappush(heap, (-gains[i][lengths[i]], i))
     return lengths
+
+
+class DraftCost:
+    """Milliseconds of one drafter call against the sessions it drafts, learned from the calls made
+    (local or remote alike): a running mean per power-of-two bucket, interpolated; 0 before any call,
+    so every session drafts until the first calls have been timed."""
+
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self._ms: dict[int, float] = {}
+
+    def observe(self, sessions: int, ms: float) -> None:
+        if sessions < 1:
+            return
+        bucket = 1 << (sessions - 1).bit_length()
+        per = ms * bucket / sessions  # scaled to the bucket's size: the cost grows about linearly within it
+        old = self._ms.get(bucket)
+        self._ms[bucket] = per if old is None else self.decay * old + (1 - self.decay) * per
+
+    def __call__(self, sessions: int) -> float:
+        if sessions < 1 or not self._ms:
+            return 0.0
+        points = sorted(self._ms.items())
+        xs, ys = tuple(x for x, _ in points), tuple(y for _, y in points)
+        return CostCurve(xs, ys)(sessions)
+
+
+def acceptance_rate(accepted: float, rejected: float) -> float:
+    """The per-token acceptance chance of a session's drafts, from its (decayed) counts of accepted
+    proposals and of rounds cut short by a rejection (the geometric model's estimate)."""
+    return accepted / (accepted + rejected)
+
+
+def choose_drafted(rates: Sequence[float], max_drafts: Sequence[int], base_tokens: int, cost: CostCurve,
+                   draft_cost: DraftCost) -> list[bool]:
+    """Which sessions to draft this step, before drafting: the sessions most likely to be accepted
+    first, as many as make the step's expected tokens per millisecond highest (none: plain decoding).
+
+    rates: each session's per-token acceptance chance; max_drafts: the most proposals it may verify
+    (0 where it cannot draft). Expected tokens use the geometric model: k proposals give
+    sum_{j<=k} rate^j more than plain decoding.
+    """
+    order = sorted((i for i, m in enumerate(max_drafts) if m > 0), key=lambda i: -rates[i])
+    best, best_rate = 0, len(rates) / cost(base_tokens)
+    for m in range(1, len(order) + 1):
+        chosen = order[:m]
+        probs = [torch.full((max_drafts[i],), rates[i]) for i in chosen]
+        lengths = choose_verify_lengths(probs, base_tokens, cost)
+        gain = sum(float(torch.cumprod(p, 0)[:k].sum()) for p, k in zip(probs, lengths) if k)
+        rate = (len(rates) + gain) / (cost(base_tokens + sum(lengths)) + draft_cost(m))
+        if rate > best_rate:
+            best, best_rate = m, rate
+    drafted = set(order[:best])
+    return [i in drafted for i in range(len(rates))]

@@ -181,9 +181,13 @@ def load_models(target, drafter, ar_draft, args):
     """The DFlash engine, a target-only engine sharing its model, and the AR draft model (or a reason)."""
     from ..engine import SpeculativeEngine
     from ..loading import build_engine, load_target, resolve_device
+    from ..scheduler import SchedulerConfig
     from ..target import TargetModel
 
-    engine = build_engine(target, drafter, device=args.device, dtype=args.dtype)
+    # One stream per method, every proposal verified: the method as the paper runs it. The adaptive
+    # verify policy is a batching concern, measured by --load through the service.
+    engine = build_engine(target, drafter, device=args.device, dtype=args.dtype,
+                          scheduler=SchedulerConfig(verify_policy="full"))
     if engine.tokenizer is None:
         raise DFlashError(f"the target '{target}' has no tokenizer; dflash bench needs one to encode prompts")
     model = engine.target.model

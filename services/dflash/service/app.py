@@ -88,7 +88,7 @@ class IngressDeployment:
 
 @serve.deployment(name="verifier")
 class VerifierDeployment:
-    """Owns the target; runs the engine's loop for each Generate in its own thread."""
+    """Owns the target and its batching engine: every Generate stream joins the same step loop."""
 
     def __init__(self, config: dict, drafters: DeploymentHandle | None = None):
         from .parts import build_verifier_engine, set_threads
@@ -98,7 +98,9 @@ class VerifierDeployment:
         set_threads(cfg)
         metrics = _setup(cfg, "dflash-verifier")
         store = _store(cfg)
-        self.verifier = Verifier(build_verifier_engine(cfg, store, metrics), store, cfg.model_name, metrics)
+        engine = build_verifier_engine(cfg, store, metrics)
+        engine.start_loop()  # one thread steps all streams; each stream's thread only waits and sends
+        self.verifier = Verifier(engine, store, cfg.model_name, metrics)
         self.drafters = drafters  # holds the drafter deployment in the application graph
 
     async def stream(self, verify, carrier):
