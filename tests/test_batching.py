@@ -16,7 +16,7 @@ from dflash.errors import InvalidRequestError
 from dflash.loading import build_engine
 from dflash.params import SamplingParams
 from dflash.scheduler import QueueFullError, SchedulerConfig
-from dflash.verify_policy import CostCurve, choose_verify_lengths
+from dflash.verify_policy import CostCurve, DraftCost, choose_drafted, choose_verify_lengths
 from tiny import char_tokenizer, engine_for, prompts, tiny_drafter, tiny_target
 
 
@@ -196,3 +196,29 @@ def test_cost_curve_interpolates_and_never_decreases():
     curve = CostCurve((1, 4, 16), (2.0, 1.0, 5.0))
     assert curve.ms == (2.0, 2.0, 5.0)
     assert curve(1) == 2.0 and curve(10) == pytest.approx(3.5) and curve(32) == pytest.approx(9.0)
+
+
+def test_draft_cost_keeps_the_fastest_recent_call_per_bucket():
+    cost = DraftCost(window=3)
+    assert cost(4) == 0.0  # nothing timed yet: drafting is assumed free until it has been measured
+    cost.observe(1, 20.0)  # a first call's warm-up
+    cost.observe(1, 5.0)
+    cost.observe(3, 9.0)  # bucket 4, scaled to 12 ms
+    assert cost(1) == 5.0 and cost(4) == pytest.approx(12.0)
+    for _ in range(3):
+        cost.observe(1, 7.0)
+    assert cost(1) == 7.0  # the window moved on: a real slow-down is followed
+
+
+def test_drafting_stops_where_it_cannot_pay_and_goes_on_where_it_does():
+    cheap_verify = CostCurve((1, 16, 64), (10.0, 11.0, 14.0))
+    assert choose_drafted([0.9, 0.1], [15, 15], 2, cheap_verify, DraftCost()) == [True, True]
+    slow_drafter = DraftCost()
+    slow_drafter.observe(1, 60.0)
+    slow_drafter.observe(2, 120.0)
+    assert choose_drafted([0.9, 0.1], [15, 15], 2, cheap_verify, slow_drafter) == [False, False]
+    fair_drafter = DraftCost()
+    fair_drafter.observe(1, 4.0)
+    fair_drafter.observe(2, 8.0)
+    assert choose_drafted([0.9, 0.1], [15, 15], 2, cheap_verify, fair_drafter) == [True, False]
+    assert choose_drafted([0.9], [0], 1, cheap_verify, DraftCost()) == [False]  # nothing to draft (block 1)

@@ -41,6 +41,7 @@ from .verify_policy import (
 
 log = logging.getLogger(__name__)
 ACCEPT_DECAY = 0.8  # per round: a session's acceptance estimate follows the last ~5 rounds
+EXPLORE_EVERY = 8  # steps without any draft before one session drafts again (cost and acceptance move)
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class SpeculativeEngine:
         self._loop: threading.Thread | None = None
         self.cost_curve = cost_curve
         self.draft_cost = DraftCost()
+        self._steps_without_draft = 0
         if self.cost_curve is None and drafter is not None and config.verify_policy == "adaptive":
             self.cost_curve = self._measure_cost_curve()
 
@@ -330,6 +332,16 @@ class SpeculativeEngine:
             return sizes
         rates = [acceptance_rate(g.accepted_ema, g.rejected_ema) for g in decodes]
         drafted = choose_drafted(rates, [s - 1 for s in sizes], base_tokens, self.cost_curve, self.draft_cost)
+        self._steps_without_draft = 0 if any(drafted) else self._steps_without_draft + 1
+        if self._steps_without_draft >= EXPLORE_EVERY:
+            # Nobody drafts: now and then the session that waited longest drafts once, so its acceptance
+            # estimate and the drafter's cost stay current (a small, bounded price).
+            self._steps_without_draft = 0
+            waited = [i for i, size in enumerate(sizes) if size > 1]
+            if waited:
+                drafted[max(waited, key=lambda i: decodes[i].steps_since_draft)] = True
+        for g, d in zip(decodes, drafted):
+            g.steps_since_draft = 0 if d else g.steps_since_draft + 1
         return [s if d else 1 for s, d in zip(sizes, drafted)]
 
     def _verify_lengths(self, drafts: list[Draft], base_tokens: int) -> list[int]:

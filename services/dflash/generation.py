@@ -67,6 +67,7 @@ class Generation:
     cancelled: bool = False
     retired: bool = False
     error: BaseException | None = None
+    steps_since_draft: int = 0
     accepted_ema: float = 2.0
     rejected_ema: float = 1.0
     """Decayed counts of accepted proposals and of rejections: the session's acceptance rate (a prior of 2/3)."""

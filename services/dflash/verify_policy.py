@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -89,27 +90,26 @@ def choose_verify_lengths(probs: Sequence[torch.Tensor], base_tokens: int, cost:
 
 class DraftCost:
     """Milliseconds of one drafter call against the sessions it drafts, learned from the calls made
-    (local or remote alike): a running mean per power-of-two bucket, interpolated; 0 before any call,
-    so every session drafts until the first calls have been timed."""
+    (local or remote alike): per power-of-two bucket, the fastest of the last few calls (a first call's
+    warm-up or a stall only ever adds time), interpolated; 0 before any call, so sessions draft until
+    the first calls have been timed."""
 
-    def __init__(self, decay: float = 0.8):
-        self.decay = decay
-        self._ms: dict[int, float] = {}
+    def __init__(self, window: int = 5):
+        self.window = window
+        self._ms: dict[int, deque[float]] = {}
 
     def observe(self, sessions: int, ms: float) -> None:
         if sessions < 1:
             return
         bucket = 1 << (sessions - 1).bit_length()
-        per = ms * bucket / sessions  # scaled to the bucket's size: the cost grows about linearly within it
-        old = self._ms.get(bucket)
-        self._ms[bucket] = per if old is None else self.decay * old + (1 - self.decay) * per
+        # scaled to the bucket's size: the cost grows about linearly within it
+        self._ms.setdefault(bucket, deque(maxlen=self.window)).append(ms * bucket / sessions)
 
     def __call__(self, sessions: int) -> float:
         if sessions < 1 or not self._ms:
             return 0.0
-        points = sorted(self._ms.items())
-        xs, ys = tuple(x for x, _ in points), tuple(y for _, y in points)
-        return CostCurve(xs, ys)(sessions)
+        points = sorted((x, min(ys)) for x, ys in self._ms.items())
+        return CostCurve(tuple(x for x, _ in points), tuple(y for _, y in points))(sessions)
 
 
 def acceptance_rate(accepted: float, rejected: float) -> float:

@@ -140,7 +140,9 @@ class ServiceConfig:
     auth_token: str = ""  # non-empty: clients must send `authorization: Bearer <token>`
     model: ModelConfig = field(default_factory=ModelConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
-    ingress: DeploymentConfig = field(default_factory=lambda: DeploymentConfig(ray_actor_options={"num_cpus": 0.1}))
+    # The ingress only relays streams; like the chart, let it hold as many as the verifier batches.
+    ingress: DeploymentConfig = field(default_factory=lambda: DeploymentConfig(ray_actor_options={"num_cpus": 0.1},
+                                                                              max_ongoing_requests=64))
     # The verifier's scheduler batches its streams: Serve may hand it many at once.
     verifier: DeploymentConfig = field(default_factory=lambda: DeploymentConfig(max_ongoing_requests=64))
     drafter: DeploymentConfig = field(default_factory=DeploymentConfig)
