@@ -189,7 +189,11 @@ class SpeculativeEngine:
             with self._lock:
                 while not (self.scheduler.running or self.scheduler.waiting):
                     self._stepped.wait()
-            self.step()
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - a failed step already failed its sessions; the loop must live on
+                log.exception("engine loop: step failed")
+                time.sleep(0.01)
 
     def stream(self, gen: Generation) -> Iterator[RoundOutput]:
         """The rounds of a submitted request, running steps (for every session) while it needs output.
