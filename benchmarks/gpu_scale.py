@@ -30,6 +30,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from dflash.bench.profile_round import prefill_one
 from dflash.drafter import DFlashConfig, DFlashDraftModel
 from dflash.drafter.local import LocalDrafter
 from dflash.drafter.protocol import DraftRequest
@@ -164,16 +165,6 @@ def _draft_next(drafter: LocalDrafter, sessions: list[str], new: torch.Tensor, r
         reached[i] += new.shape[0]
 
 
-def _prefill(engine: SpeculativeEngine, gen: Generation) -> None:
-    """Step until the request's prompt is cached and its first token is out."""
-    while not gen.output_ids:
-        if gen.error is not None:
-            raise gen.error
-        if not engine.step():
-            raise RuntimeError("gpu_scale: the engine did not admit the request")
-    gen.outbox.clear()
-
-
 def _round(engine: SpeculativeEngine, gen: Generation) -> None:
     """One engine step; with one running session, one round of it."""
     engine.step()
@@ -196,7 +187,7 @@ def measure_rounds(engine: SpeculativeEngine, baseline: SpeculativeEngine, conte
             gen = eng.start(prompt, params)
             eng.submit(gen)
             try:
-                _prefill(eng, gen)
+                prefill_one(eng, gen)
                 out[f"{name}_t{temperature:g}"] = clock.ms(partial(_round, eng, gen), iters, warmup)
             finally:
                 eng.cancel(gen)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
+from dflash.api.v1 import generate_pb2_grpc
 from dflash.drafter.checkpoint import save_drafter
+from dflash.service.async_stream import iterate_in_thread
+from dflash.service.ingress import Rejected
 from dflash.service.redis_process import RedisProcess, redis_server_path
 from tiny import char_tokenizer, tiny_drafter, tiny_target
 
@@ -38,3 +42,27 @@ def model_dirs(tmp_path_factory):
     char_tokenizer().save_pretrained(root / "target")
     save_drafter(tiny_drafter(target, block_size=BLOCK_SIZE), root / "drafter")
     return root / "target", root / "drafter"
+
+
+class IngressServicer(generate_pb2_grpc.GenerationServicer):
+    """Generate as IngressDeployment serves it (the real Ingress over a real Verifier), minus Ray, whose
+    proxy costs tens of seconds to start. Subclasses see each call's metadata in `arrived` and may wrap
+    the verifier's stream in `_open_stream`."""
+
+    def __init__(self, ingress, verifier):
+        self.ingress, self.verifier = ingress, verifier
+
+    async def Generate(self, request, context):
+        metadata = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        self.arrived(metadata, context)
+        try:
+            async for chunk in self.ingress.generate(request, metadata, self._open_stream):
+                yield chunk
+        except Rejected as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
+
+    def arrived(self, metadata: dict, context) -> None:
+        """Called as each Generate call arrives."""
+
+    def _open_stream(self, verify, carrier):
+        return iterate_in_thread(lambda cancelled: self.verifier.stream(verify, carrier, cancelled))

@@ -24,13 +24,12 @@ from dflash.bench.runner import BenchSettings, run_bench
 from dflash.cli import main
 from dflash.drafter.checkpoint import save_drafter
 from dflash.params import SamplingParams
-from dflash.service.async_stream import iterate_in_thread
 from dflash.service.config import ServiceConfig
-from dflash.service.ingress import Ingress, Rejected
+from dflash.service.ingress import Ingress
 from dflash.service.parts import build_verifier_engine
 from dflash.service.session_store import MemorySessionStore
 from dflash.service.verifier import Verifier
-from service_fixtures import model_dirs  # noqa: F401
+from service_fixtures import IngressServicer, model_dirs  # noqa: F401
 from tiny import EOS_ID, char_tokenizer, engine_for, tiny_drafter, tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -211,24 +210,6 @@ def test_load_mode_counts_errors(engines, serve, tmp_path, capsys):
 # -- the load sweep against the real service: the Ingress over a Verifier on the tiny models -----------
 
 
-class RealService(generate_pb2_grpc.GenerationServicer):
-    """Generate as IngressDeployment serves it, minus Ray (whose proxy costs tens of seconds to start)."""
-
-    def __init__(self, ingress: Ingress, verifier: Verifier):
-        self.ingress, self.verifier = ingress, verifier
-
-    async def Generate(self, request, context):
-        metadata = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
-        try:
-            async for chunk in self.ingress.generate(request, metadata, self._open_stream):
-                yield chunk
-        except Rejected as exc:
-            await context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
-
-    def _open_stream(self, verify, carrier):
-        return iterate_in_thread(lambda cancelled: self.verifier.stream(verify, carrier, cancelled))
-
-
 @pytest.fixture(scope="module")
 def real_service(model_dirs):  # noqa: F811
     """"127.0.0.1:port" of the real Ingress + Verifier (colocated drafter, block 8) on a grpc.aio server."""
@@ -237,7 +218,7 @@ def real_service(model_dirs):  # noqa: F811
         "model": {"target": str(target), "drafter": str(drafter), "device": "cpu", "dtype": "float32", "name": "tiny"},
         "redis": {"url": "memory://"}, "metrics": "none"})
     store = MemorySessionStore()
-    servicer = RealService(Ingress(config), Verifier(build_verifier_engine(config, store, None), store, "tiny"))
+    servicer = IngressServicer(Ingress(config), Verifier(build_verifier_engine(config, store, None), store, "tiny"))
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()

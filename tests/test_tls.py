@@ -34,13 +34,13 @@ from dflash.cli import main as dflash_main
 from dflash.service.async_stream import iterate_in_thread
 from dflash.service.client import GenerationClient
 from dflash.service.config import ConfigError, ServiceConfig, TlsConfig, load_config
-from dflash.service.ingress import Ingress, Rejected
+from dflash.service.ingress import Ingress
 from dflash.service.parts import build_verifier_engine
 from dflash.service.redis_process import free_port
 from dflash.service.session_store import MemorySessionStore
 from dflash.service.tls_front import FrontThread, TlsFront
 from dflash.service.verifier import Verifier
-from service_fixtures import model_dirs  # noqa: F401
+from service_fixtures import IngressServicer, model_dirs  # noqa: F401
 
 TOKEN = "s3cret-token"
 PROMPT = "def f(x):\n    return"
@@ -95,26 +95,19 @@ def read(path) -> bytes:
 
 # --- the upstream: the real Ingress over a real Verifier on a grpc.aio server ---------------------------
 
-class Upstream(generate_pb2_grpc.GenerationServicer):
+class Upstream(IngressServicer):
     """Generate as IngressDeployment.Generate serves it, with a gate the tests close to hold the engine
     after its first chunk, and a record of what arrived (metadata, deadline, cancellation)."""
 
     def __init__(self, ingress: Ingress, verifier: Verifier):
-        self.ingress = ingress
-        self.verifier = verifier
+        super().__init__(ingress, verifier)
         self.gate = threading.Event()
         self.gate.set()
         self.seen: list[tuple[dict, float | None]] = []
         self.cancelled: list[threading.Event] = []
 
-    async def Generate(self, request, context):
-        metadata = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+    def arrived(self, metadata, context):
         self.seen.append((metadata, context.time_remaining()))
-        try:
-            async for chunk in self.ingress.generate(request, metadata, self._open_stream):
-                yield chunk
-        except Rejected as exc:
-            await context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
 
     def _open_stream(self, verify, carrier):
         def make(cancelled):

@@ -14,6 +14,7 @@ hand them to `packed_attention`, which writes the new keys/values into the cache
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ class PackedBatch:
     starts: tuple[int, ...]
     num_tokens: tuple[int, ...]
 
-    @property
+    @cached_property  # read per layer and per session: computed once
     def offsets(self) -> list[int]:
         out, total = [], 0
         for n in self.num_tokens:

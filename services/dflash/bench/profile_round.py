@@ -121,7 +121,7 @@ def profile_round(engine: SpeculativeEngine, prompt_ids: list[int], block_size: 
     timers = _Timers()
     samples = []
     try:
-        _prefill(engine, gen)
+        prefill_one(engine, gen)
         timers.wrap(engine.drafter, "draft_batch", "draft", phase="draft")
         timers.wrap(engine.target, "forward", "verify", phase="verify")
         timers.wrap(engine.cache, "crop", "trim")
@@ -162,7 +162,7 @@ def _check_idle(engine: SpeculativeEngine) -> None:
                           "requests; profile an idle engine (a step runs every session)")
 
 
-def _prefill(engine: SpeculativeEngine, gen: Generation) -> None:
+def prefill_one(engine: SpeculativeEngine, gen: Generation) -> None:
     """Step until the session's prompt is in the cache and its first token is out (untimed)."""
     while not gen.output_ids:
         if gen.error is not None:
@@ -222,7 +222,7 @@ def _target_step_ms(baseline: SpeculativeEngine, prompt_ids, rounds) -> float:
     gen = baseline.start(prompt_ids, SamplingParams(max_new_tokens=rounds + 8, block_size=1, ignore_eos=True))
     baseline.submit(gen)
     try:
-        _prefill(baseline, gen)
+        prefill_one(baseline, gen)
         times = []
         for _ in range(rounds + 3):
             if gen.done:

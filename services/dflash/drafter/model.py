@@ -8,6 +8,7 @@ block tokens with the target's `embed_tokens` and read logits through the target
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -72,11 +73,11 @@ class PackedDraft:
     num_context: tuple[int, ...]
     block_sizes: tuple[int, ...]
 
-    @property
+    @cached_property  # read per layer and per session: computed once
     def ctx_offsets(self) -> list[int]:
         return _offsets(self.num_context)
 
-    @property
+    @cached_property  # read per layer and per session: computed once
     def blk_offsets(self) -> list[int]:
         return _offsets(self.block_sizes)
 
