@@ -36,7 +36,8 @@ from .stats import GenerationStats, RoundStats
 from .target import ForwardItem, TargetModel
 from .textstream import TextStream
 from .verify_policy import (
-    CostCurve, DraftCost, acceptance_rate, choose_drafted, choose_verify_lengths, measure_cost_curve,
+    CostCurve, DraftCost, StepCalibration, acceptance_rate, choose_drafted, choose_verify_lengths,
+    measure_cost_curve,
 )
 
 log = logging.getLogger(__name__)
@@ -101,11 +102,16 @@ class SpeculativeEngine:
         self.cache = target.new_cache(config.cache_tokens)
         self.scheduler = Scheduler(config, self.cache)
         self.observer = observer
+        # Two locks, so that a step in progress never makes a request wait to be queued or cancelled:
+        # _lock is held for a whole step (one step at a time); _admission only for the short changes to
+        # the scheduler's queue and running set. Streams wait on their own Generation.wakeup.
         self._lock = threading.RLock()
-        self._stepped = threading.Condition(self._lock)  # notified after every step and every submit
+        self._admission = threading.Lock()
+        self._work = threading.Event()  # set when a request arrives or is cancelled (the loop waits on it)
         self._loop: threading.Thread | None = None
         self.cost_curve = cost_curve
         self.draft_cost = DraftCost()
+        self.calibration = StepCalibration()
         self._steps_without_draft = 0
         if self.cost_curve is None and drafter is not None and config.verify_policy == "adaptive":
             self.cost_curve = self._measure_cost_curve()
@@ -172,9 +178,9 @@ class SpeculativeEngine:
     def submit(self, gen: Generation) -> None:
         """Queue a request for the step loop; QueueFullError when the queue is full."""
         reserve = min(len(gen.prompt_ids) + gen.params.max_new_tokens + gen.block_size, self.target.max_positions)
-        with self._lock:
+        with self._admission:
             self.scheduler.add(gen, reserve)
-            self._stepped.notify_all()
+        self._work.set()
 
     def start_loop(self) -> None:
         """From now on, step in one background thread whenever there is work (a server with many
@@ -186,11 +192,14 @@ class SpeculativeEngine:
 
     def _step_forever(self) -> None:
         while True:
-            with self._lock:
-                while not (self.scheduler.running or self.scheduler.waiting):
-                    self._stepped.wait()
+            self._work.clear()
+            if not (self.scheduler.running or self.scheduler.waiting):
+                self.calibration.idle()
+                self._work.wait()
+                continue
             try:
-                self.step()
+                if not self.step():
+                    self._work.wait(0.05)  # queued requests that cannot be admitted yet
             except Exception:  # noqa: BLE001 - a failed step already failed its sessions; the loop must live on
                 log.exception("engine loop: step failed")
                 time.sleep(0.01)
@@ -210,9 +219,9 @@ class SpeculativeEngine:
                 elif gen.cancelled:
                     return
                 elif self._loop is not None:
-                    with self._lock:
-                        while not (gen.outbox or gen.done):
-                            self._stepped.wait()
+                    gen.wakeup.clear()
+                    if not (gen.outbox or gen.done):
+                        gen.wakeup.wait()
                 else:
                     self.step(waiter=gen)
         finally:
@@ -220,10 +229,15 @@ class SpeculativeEngine:
                 self.cancel(gen)
 
     def cancel(self, gen: Generation) -> None:
-        """Stop a request between steps and free its caches (no effect on the others)."""
+        """Stop a request between steps and free its caches (no effect on the others). With the loop
+        running, the loop frees them after the step in progress; without, they are freed now."""
+        if not gen.finished:
+            gen.cancelled = True
+        gen.wakeup.set()
+        if self._loop is not None:
+            self._work.set()
+            return
         with self._lock:
-            if not gen.finished:
-                gen.cancelled = True
             self._retire(gen)
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
@@ -254,7 +268,9 @@ class SpeculativeEngine:
         with self._lock:
             if waiter is not None and (waiter.outbox or waiter.done):
                 return True
-            plan = self.scheduler.schedule()
+            self._retire_done()
+            with self._admission:
+                plan = self.scheduler.schedule()
             if not plan:
                 return False
             try:
@@ -264,23 +280,25 @@ class SpeculativeEngine:
                 log.exception("step failed for %d sessions", len(plan.decodes) + len(plan.prefills))
                 for gen in plan.decodes + [g for g, _ in plan.prefills]:
                     gen.error = exc
-            for gen in list(self.scheduler.running):
-                if gen.done:
-                    self._retire(gen)
-            self._stepped.notify_all()
+            for gen in plan.decodes + [g for g, _ in plan.prefills]:
+                gen.wakeup.set()
+            self._retire_done()
             return True
 
     def _run(self, plan: StepPlan) -> None:
         start_ns, t0 = time.time_ns(), time.perf_counter()
+        self.calibration.step_started(t0)
         prefill_tokens = sum(n for _, n in plan.prefills)
         base_tokens = len(plan.decodes) + prefill_tokens
-        sizes = self._drafted_sizes(plan.decodes, base_tokens)
+        num_sessions = len(plan.decodes) + len(plan.prefills)
+        overhead_ms = self.calibration.round_overhead_ms * num_sessions
+        sizes = self._drafted_sizes(plan.decodes, base_tokens, overhead_ms)
         drafts = self._propose(plan.decodes, sizes)
         t1 = time.perf_counter()
         asked = sum(s > 1 for s in sizes)
         if asked:
             self.draft_cost.observe(asked, (t1 - t0) * 1000)
-        lengths = self._verify_lengths(drafts, base_tokens)
+        lengths = self._verify_lengths(drafts, base_tokens, overhead_ms + (t1 - t0) * 1000)
         verified = [d.tokens[:k] for d, k in zip(drafts, lengths)]
         items = [ForwardItem(g.request_id, (g.last_token, *v.tolist()), g.position)
                  for g, v in zip(plan.decodes, verified)]
@@ -288,7 +306,10 @@ class SpeculativeEngine:
                               last_only=True) for g, n in plan.prefills]
         outs = self.target.forward(self.cache, items)
         draft_ms, verify_ms = (t1 - t0) * 1000, self._ms_since(t1)
-        report = StepReport(start_ns, 0, draft_ms, verify_ms, sum(len(i.token_ids) for i in items),
+        num_tokens = sum(len(i.token_ids) for i in items)
+        predicted_ms = self.cost_curve(num_tokens) if self.cost_curve is not None else 0.0
+        self.calibration.step_ran(t0, draft_ms, verify_ms, predicted_ms, num_sessions)
+        report = StepReport(start_ns, 0, draft_ms, verify_ms, num_tokens,
                             verify_lengths=lengths, prefill_tokens=prefill_tokens)
         for gen, draft, tokens, out in zip(plan.decodes, drafts, verified, outs):
             round_out = self._verify_round(gen, tokens, out, draft_ms, verify_ms, draft.replica)
@@ -328,14 +349,15 @@ class SpeculativeEngine:
             drafts[i] = Draft(d.tokens[: sizes[i] - 1].to("cpu", torch.long), d.probs[: sizes[i] - 1], d.replica)
         return drafts
 
-    def _drafted_sizes(self, decodes: list[Generation], base_tokens: int) -> list[int]:
+    def _drafted_sizes(self, decodes: list[Generation], base_tokens: int, overhead_ms: float) -> list[int]:
         """Each session's block this round; 1 (no draft) where the adaptive policy finds that drafting
         it does not pay for the drafter's and the verifier's time at this batch."""
         sizes = [self._round_block_size(g) for g in decodes]
         if self.config.verify_policy == "full" or self.cost_curve is None:
             return sizes
         rates = [acceptance_rate(g.accepted_ema, g.rejected_ema) for g in decodes]
-        drafted = choose_drafted(rates, [s - 1 for s in sizes], base_tokens, self.cost_curve, self.draft_cost)
+        drafted = choose_drafted(rates, [s - 1 for s in sizes], base_tokens, self._current_curve(), self.draft_cost,
+                                 overhead_ms)
         self._steps_without_draft = 0 if any(drafted) else self._steps_without_draft + 1
         if self._steps_without_draft >= EXPLORE_EVERY:
             # Nobody drafts: now and then the session that waited longest drafts once, so its acceptance
@@ -348,10 +370,14 @@ class SpeculativeEngine:
             g.steps_since_draft = 0 if d else g.steps_since_draft + 1
         return [s if d else 1 for s, d in zip(sizes, drafted)]
 
-    def _verify_lengths(self, drafts: list[Draft], base_tokens: int) -> list[int]:
+    def _verify_lengths(self, drafts: list[Draft], base_tokens: int, fixed_ms: float) -> list[int]:
         if self.config.verify_policy == "full" or self.cost_curve is None:
             return [d.tokens.shape[0] for d in drafts]
-        return choose_verify_lengths([d.probs for d in drafts], base_tokens, self.cost_curve)
+        return choose_verify_lengths([d.probs for d in drafts], base_tokens, self._current_curve(), fixed_ms)
+
+    def _current_curve(self) -> CostCurve:
+        """The start-up cost curve, scaled to how fast forwards run now."""
+        return self.cost_curve.scaled(self.calibration.scale)
 
     def _verify_round(self, gen: Generation, draft: torch.Tensor, out, draft_ms: float, verify_ms: float,
                       drafter: str) -> RoundOutput:
@@ -389,11 +415,19 @@ class SpeculativeEngine:
         pending = gen.pending_features
         gen.pending_features = features if pending is None else torch.cat([pending, features])
 
+    def _retire_done(self) -> None:
+        """Free every finished, failed or cancelled session (running or still queued)."""
+        with self._admission:
+            done = [g for g in (*self.scheduler.running, *self.scheduler.waiting) if g.done]
+        for gen in done:
+            self._retire(gen)
+
     def _retire(self, gen: Generation) -> None:
         if gen.retired:
             return
         gen.retired = True
-        self.scheduler.retire(gen)
+        with self._admission:
+            self.scheduler.retire(gen)
         gen.pending_features = None
         if self.drafter is not None and gen.block_size > 1:
             try:

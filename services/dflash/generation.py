@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,7 +43,8 @@ class Generation:
     chunks. `pending_features` are target features of positions [drafter_start, num_cached) that the
     drafter has not seen. GPU caches are disposable: prompt_ids + output_ids + seed rebuild everything.
 
-    The engine appends what each step adds for this request to `outbox`; the request's stream reads it.
+    The engine appends what each step adds for this request to `outbox` and sets `wakeup`; the request's
+    stream reads it (waiting on `wakeup`, never on the engine's lock, so a busy step loop cannot starve it).
     """
 
     request_id: str
@@ -64,6 +66,7 @@ class Generation:
     num_cached: int = 0
     reserved_tokens: int = 0
     outbox: deque = field(default_factory=deque)
+    wakeup: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
     retired: bool = False
     error: BaseException | None = None

@@ -48,6 +48,10 @@ class CostCurve:
         """Verification is free: the policy then verifies every proposal."""
         return cls((1, 1 << 20), (1.0, 1.0))
 
+    def scaled(self, factor: float) -> CostCurve:
+        """The same shape, every point times `factor` (the device is busier or idler than at start-up)."""
+        return CostCurve(self.tokens, tuple(m * factor for m in self.ms))
+
 
 def measure_cost_curve(forward: Callable[[int], None], max_tokens: int, repeats: int = 3) -> CostCurve:
     """Time `forward(n)` (one packed target forward of n tokens) at powers of two up to max_tokens; the
@@ -65,10 +69,12 @@ def measure_cost_curve(forward: Callable[[int], None], max_tokens: int, repeats:
     return CostCurve(tuple(points), tuple(ms))
 
 
-def choose_verify_lengths(probs: Sequence[torch.Tensor], base_tokens: int, cost: CostCurve) -> list[int]:
+def choose_verify_lengths(probs: Sequence[torch.Tensor], base_tokens: int, cost: CostCurve,
+                          fixed_ms: float = 0.0) -> list[int]:
     """For each session's proposal probabilities (a tensor [k_i], possibly empty), how many leading
     proposals to verify, given that the step already packs `base_tokens` tokens (one per decoding
-    session plus any prefill chunks)."""
+    session plus any prefill chunks) and costs `fixed_ms` besides the target forward (drafting, and
+    the per-round work of the engine and of the service around it, which verifying more does not add to)."""
     lengths = [0] * len(probs)
     gains = [torch.cumprod(p.double(), 0).tolist() if p.numel() else [] for p in probs]
     expected = float(len(probs))  # each decoding session commits at least its bonus token
@@ -78,7 +84,7 @@ def choose_verify_lengths(probs: Sequence[torch.Tensor], base_tokens: int, cost:
     while heap:
         neg_gain, i = heapq.heappop(heap)
         gain = -neg_gain
-        if (expected + gain) * cost(n) <= expected * cost(n + 1):
+        if (expected + gain) * (cost(n) + fixed_ms) <= expected * (cost(n + 1) + fixed_ms):
             break  # the best remaining proposal no longer pays for the time it adds
         expected += gain
         n += 1
@@ -92,7 +98,10 @@ class DraftCost:
     """Milliseconds of one drafter call against the sessions it drafts, learned from the calls made
     (local or remote alike): per power-of-two bucket, the fastest of the last few calls (a first call's
     warm-up or a stall only ever adds time), interpolated; 0 before any call, so sessions draft until
-    the first calls have been timed."""
+    the first calls have been timed. Past the largest bucket timed, the cost is taken as that bucket's
+    (optimistic): one batched call is then tried and timed, instead of never drafting a batch because a
+    lone session's cost, extrapolated linearly, looked prohibitive (a batched drafter forward costs far
+    less than one per session)."""
 
     def __init__(self, window: int = 5):
         self.window = window
@@ -109,6 +118,8 @@ class DraftCost:
         if sessions < 1 or not self._ms:
             return 0.0
         points = sorted((x, min(ys)) for x, ys in self._ms.items())
+        if sessions >= points[-1][0]:
+            return points[-1][1]
         return CostCurve(tuple(x for x, _ in points), tuple(y for _, y in points))(sessions)
 
 
@@ -119,23 +130,76 @@ def acceptance_rate(accepted: float, rejected: float) -> float:
 
 
 def choose_drafted(rates: Sequence[float], max_drafts: Sequence[int], base_tokens: int, cost: CostCurve,
-                   draft_cost: DraftCost) -> list[bool]:
+                   draft_cost: DraftCost, fixed_ms: float = 0.0) -> list[bool]:
     """Which sessions to draft this step, before drafting: the sessions most likely to be accepted
     first, as many as make the step's expected tokens per millisecond highest (none: plain decoding).
 
     rates: each session's per-token acceptance chance; max_drafts: the most proposals it may verify
     (0 where it cannot draft). Expected tokens use the geometric model: k proposals give
-    sum_{j<=k} rate^j more than plain decoding.
+    sum_{j<=k} rate^j more than plain decoding. fixed_ms: see `choose_verify_lengths`.
     """
     order = sorted((i for i, m in enumerate(max_drafts) if m > 0), key=lambda i: -rates[i])
-    best, best_rate = 0, len(rates) / cost(base_tokens)
+    best, best_rate = 0, len(rates) / (cost(base_tokens) + fixed_ms)
     for m in range(1, len(order) + 1):
         chosen = order[:m]
         probs = [torch.full((max_drafts[i],), rates[i]) for i in chosen]
-        lengths = choose_verify_lengths(probs, base_tokens, cost)
+        lengths = choose_verify_lengths(probs, base_tokens, cost, fixed_ms + draft_cost(m))
         gain = sum(float(torch.cumprod(p, 0)[:k].sum()) for p, k in zip(probs, lengths) if k)
-        rate = (len(rates) + gain) / (cost(base_tokens + sum(lengths)) + draft_cost(m))
+        rate = (len(rates) + gain) / (cost(base_tokens + sum(lengths)) + draft_cost(m) + fixed_ms)
         if rate > best_rate:
             best, best_rate = m, rate
     drafted = set(order[:best])
     return [i in drafted for i in range(len(rates))]
+
+
+class StepCalibration:
+    """What the start-up cost curve does not know, learned from the steps run: how much slower (or
+    faster) target forwards are now than at start-up (other work sharing the device), and the time each
+    round costs besides drafting and the forward: sampling, committing, streaming, and in a service the
+    store write and the hops to the client, which compete for the same cores on a CPU. Both are medians
+    of the last `window` steps, so one stall does not move them.
+
+    The overhead matters to the policy because it is paid per round, whatever the round verifies: the
+    more it costs, the more a round that commits several tokens is worth.
+    """
+
+    def __init__(self, window: int = 32):
+        self._scale: deque[float] = deque(maxlen=window)
+        self._overhead: deque[float] = deque(maxlen=window)
+        self._last: tuple[float, float, int] | None = None  # (start, busy ms, sessions) of the previous step
+
+    def step_started(self, now: float) -> None:
+        """At a step's start (perf_counter seconds): the previous step's period is now known."""
+        if self._last is not None:
+            start, busy_ms, sessions = self._last
+            period_ms = (now - start) * 1000
+            self._overhead.append(max(period_ms - busy_ms, 0.0) / sessions)
+        self._last = None
+
+    def step_ran(self, start: float, draft_ms: float, verify_ms: float, predicted_verify_ms: float,
+                 sessions: int) -> None:
+        """After a step's forward: its measured times against the curve's prediction."""
+        if predicted_verify_ms > 0:
+            self._scale.append(verify_ms / predicted_verify_ms)
+        self._last = (start, draft_ms + verify_ms, sessions) if sessions else None
+
+    def idle(self) -> None:
+        """The engine waited for work: the next step's period says nothing about the steps."""
+        self._last = None
+
+    @property
+    def scale(self) -> float:
+        """The forward's time now against the start-up curve, kept in [0.5, 4]."""
+        return min(max(_median(self._scale, 1.0), 0.5), 4.0)
+
+    @property
+    def round_overhead_ms(self) -> float:
+        """Milliseconds per session per step outside drafting and the forward."""
+        return _median(self._overhead, 0.0)
+
+
+def _median(values: deque[float], default: float) -> float:
+    if not values:
+        return default
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
