@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -18,7 +19,18 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
+# The oldest Linux driver each CUDA major release runs on (NVIDIA's minor version compatibility table).
+MIN_DRIVER_FOR_CUDA = {"11": "450.80.02", "12": "525.60.13", "13": "580"}
+DRIVER_VERSION_FILE = Path("/proc/driver/nvidia/version")
+
+
 def resolve_device(device: str) -> torch.device:
+    """"auto" is cuda where CUDA works and cpu elsewhere; an explicit cuda device must work.
+
+    When it does not, the error names what this torch is built for and the driver it found: the Helm
+    chart asks for cuda on pods that requested GPUs, so a node driver too old for the image fails the
+    replica at start instead of running it on the CPU beside an idle GPU.
+    """
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -26,8 +38,34 @@ def resolve_device(device: str) -> torch.device:
     except RuntimeError:
         raise DFlashError(f"unknown device '{device}'; use cpu, cuda, cuda:N or auto") from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise DFlashError(f"device '{device}' asked for, but this machine has no CUDA device; use --device cpu")
+        raise DFlashError(cuda_unusable_message(device))
     return resolved
+
+
+def cuda_unusable_message(device: str) -> str:
+    """Why `device` cannot run here: a CPU-only torch, or the CUDA build and the driver it needs vs found."""
+    built = torch.version.cuda
+    if built is None:
+        return (f"device '{device}' asked for, but torch {torch.__version__} is a CPU-only build; use the CUDA "
+                "image (docker/Dockerfile.cuda) or device cpu")
+    needed = MIN_DRIVER_FOR_CUDA.get(built.split(".")[0])
+    needs = f"NVIDIA driver {needed} or newer" if needed else f"an NVIDIA driver that supports CUDA {built}"
+    driver = nvidia_driver_version()
+    found = (f"this node's driver is {driver}" if driver
+             else f"no NVIDIA driver is visible here ({DRIVER_VERSION_FILE} is missing: no GPU given to this container?)")
+    return (f"device '{device}' asked for, but CUDA is not usable: torch {torch.__version__} is built for CUDA "
+            f"{built}, which needs {needs}; {found}. Upgrade the node's driver, use an image whose torch fits it, "
+            "or set the device to cpu")
+
+
+def nvidia_driver_version() -> str | None:
+    """The loaded NVIDIA kernel driver's version, e.g. "535.104.05"; None where none is loaded."""
+    try:
+        text = DRIVER_VERSION_FILE.read_text()
+    except OSError:
+        return None
+    match = re.search(r"Kernel Module\b.*?\s(\d+\.\d+(?:\.\d+)?)\s", text)
+    return match.group(1) if match else None
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype | str:
