@@ -68,11 +68,11 @@ def main(argv=None) -> int:
         per_round(local, args.prompts[:1], params)  # warm-up
         local_tokens, local_draft, local_verify = per_round(local, args.prompts, params)
         with RedisProcess(Path(tmp) / "redis") as redis:
-            config = ServiceConfig.from_dict({"mode": "disaggregated", "redis": {"url": redis.url, "context_window": 0},
+            config = ServiceConfig.from_dict({"mode": "disaggregated", "redis": {"url": redis.url}, "drafter_net": {"context_window": 0},
                                               "model": {"target": str(target), "drafter": str(drafter),
                                                         "device": args.device, "dtype": args.dtype}, "metrics": "none"})
             store = RedisSessionStore(redis.url)
-            server = DrafterServer(build_draft_sessions(config, store), store, advertise_every_s=0.5).start()
+            server = DrafterServer(build_draft_sessions(config), store, advertise_every_s=0.5).start()
             try:
                 remote = build_verifier_engine(config, store, None)
                 per_round(remote, args.prompts[:1], params)

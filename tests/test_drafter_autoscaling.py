@@ -118,7 +118,7 @@ def test_drafter_server_counts_drafts_in_flight_and_hot_sessions(model_dirs):
     config = ServiceConfig.from_dict({"mode": "disaggregated", "model": {
         "target": str(target), "drafter": str(drafter), "device": "cpu", "dtype": "float32"}})
     store = MemorySessionStore()
-    sessions = build_draft_sessions(config, store)
+    sessions = build_draft_sessions(config)
     server = DrafterServer(sessions, store).start()
     width = len(sessions.drafter.target_layer_ids) * sessions.drafter.model.config.hidden_size
     replies = []

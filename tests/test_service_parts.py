@@ -1,6 +1,7 @@
 """Service parts without Ray: generated code, codec, config, ingress checks, the session store on real Redis."""
 
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -12,7 +13,11 @@ from dflash.api.v1 import generate_pb2
 from dflash.service import codec
 from dflash.service.config import ConfigError, ServiceConfig, load_config
 from dflash.service.ingress import Ingress, Rejected
-from dflash.service.session_store import FINISHED, RedisSessionStore, SessionRecord, StoreUnavailableError
+from dflash.errors import InvalidRequestError
+from dflash.journal import CommittedRound
+from dflash.service.session_store import (
+    FINISHED, RUNNING, MemorySessionStore, RedisSessionStore, SessionNotFoundError, SessionRecord, StoreUnavailableError,
+)
 from service_fixtures import redis_server, redis_url  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,8 +44,8 @@ def test_codec_round_trips_in_chunks(dtype):
     head, back = codec.join_draft_request(iter(chunks))
     assert head.session_id == "s" and head.context_start == 5 and head.last_token == 9
     assert back.dtype == dtype and torch.equal(back, context)
-    start, logged = codec.unpack_log_entry(codec.pack_log_entry(11, context))
-    assert start == 11 and torch.equal(logged, context)
+    [request] = codec.join_draft_batch(iter(list(codec.draft_request_chunks("s", context, 5, 9, 8, 100, restart=True))))
+    assert request.restart and request.context_start == 5
 
 
 def test_codec_rejects_short_data():
@@ -100,30 +105,86 @@ def test_ingress_rejects_unknown_fields_and_checks_the_token():
         ingress.admit(unknown, {"authorization": "Bearer s3cret"})
 
 
-def test_session_store_round_trip_and_context_window(redis_url):
-    store = RedisSessionStore(redis_url, ttl_s=30)
+@pytest.fixture(params=["redis", "memory"])
+def store(request, redis_url):
+    return RedisSessionStore(redis_url, ttl_s=30) if request.param == "redis" else MemorySessionStore()
+
+
+def test_session_store_round_trip(store):
     store.create(SessionRecord("s1", [1, 2, 3], {"max_new_tokens": 9}, seed=7, model="m"))
-    store.commit("s1", [4, 5], 1)
-    store.commit("s1", [6], 2)
+    assert store.commit_rounds([CommittedRound("s1", 1, [4, 5], 1)]) == set()
+    store.commit_rounds([CommittedRound("s1", 1, [6], 2)])
     record = store.get("s1")
+    assert record.prompt_ids == [1, 2, 3] and record.model == "m" and record.owner == 1
     assert record.output_ids == [4, 5, 6] and record.seed == 7 and record.num_rounds == 2
     assert record.sampling_params().max_new_tokens == 9
-    store.truncate_output("s1", 1)
-    store.finish("s1", FINISHED, {"tau": 1.5})
+    assert store.finish("s1", 1, FINISHED, {"tau": 1.5})
     record = store.get("s1")
-    assert record.output_ids == [4] and record.status == FINISHED and record.final == {"tau": 1.5}
-    for i in range(5):
-        store.append_context("s1", bytes([i]), reset=i == 0, keep_entries=3)
-    assert store.context_log("s1") == [b"\2", b"\3", b"\4"]
+    assert record.status == FINISHED and record.final == {"tau": 1.5}
     assert store.get("nope") is None
+
+
+def test_take_over_truncates_and_fences_the_previous_stream(store):
+    store.create(SessionRecord("s1", [1], {}, seed=7))
+    store.create(SessionRecord("s2", [1], {}, seed=8))
+    store.commit_rounds([CommittedRound("s1", 1, [4, 5, 6], 3), CommittedRound("s2", 1, [9], 1)])
+    taken = store.take_over("s1", 1)
+    assert taken.owner == 2 and taken.output_ids == [4] and taken.status == RUNNING and taken.seed == 7
+    # the old stream (owner 1) can no longer commit or finish; the other session in its step still can
+    assert store.commit_rounds([CommittedRound("s2", 1, [10], 2), CommittedRound("s1", 1, [7], 4)]) == {1}
+    assert not store.finish("s1", 1, "cancelled")
+    assert store.get("s1").output_ids == [4] and store.get("s1").status == RUNNING
+    assert store.get("s2").output_ids == [9, 10]
+    store.commit_rounds([CommittedRound("s1", 2, [8], 2)])
+    assert store.finish("s1", 2, FINISHED, {"tau": 2.0})
+    done = store.take_over("s1", 2)  # finished and the client has it all: nothing to take over
+    assert done.status == FINISHED and done.owner == 2 and done.output_ids == [4, 8]
+    with pytest.raises(InvalidRequestError, match="tokens_received: 3 exceeds the 2 tokens"):
+        store.take_over("s1", 3)
+    with pytest.raises(SessionNotFoundError, match="session_id"):
+        store.take_over("x" * 10_000, 0)
+    try:
+        store.take_over("y" * 10_000, 0)
+    except SessionNotFoundError as exc:
+        assert len(str(exc)) < 200  # never echoes unbounded input
+    assert store.commit_rounds([CommittedRound("gone", 1, [1], 1)]) == {0}
+
+
+def test_racing_take_overs_leave_one_owner(store):
+    """Two resumes of one session at once: each gets its own token, only the later one can commit."""
+    import threading
+
+    store.create(SessionRecord("r", [1], {}, seed=1))
+    store.commit_rounds([CommittedRound("r", 1, [2, 3, 4], 3)])
+    owners, barrier = [], threading.Barrier(2)
+
+    def resume(received):
+        barrier.wait()
+        owners.append((store.take_over("r", received).owner, received))
+
+    threads = [threading.Thread(target=resume, args=(2,)) for _ in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert sorted(o for o, _ in owners) == [2, 3]
+    (loser, _), (winner, _) = sorted(owners)
+    # one step can hold the old stream and the new one of a session: only the owner's round is written
+    assert store.commit_rounds([CommittedRound("r", loser, [9], 9), CommittedRound("r", winner, [5], 4)]) == {0}
+    assert store.get("r").output_ids[-1] == 5 and store.get("r").owner == winner
+
+
+def test_dead_drafters_leave_the_registry(store):
     store.advertise_drafter("h:1", ttl_s=30)
+    store.advertise_drafter("h:2", ttl_s=0.05)
+    time.sleep(0.1)
     assert store.drafters() == ["h:1"]
+    if isinstance(store, RedisSessionStore):
+        assert store.redis.zcard(f"{store.prefix}:drafters") == 1  # removed, not only skipped
 
 
 def test_sessions_survive_a_redis_restart(redis_server, redis_url):
     store = RedisSessionStore(redis_url)
     store.create(SessionRecord("live", [1], {}, seed=3))
-    store.commit("live", [2, 3], 1)
+    store.commit_rounds([CommittedRound("live", 1, [2, 3], 1)])
     redis_server.restart()  # AOF on: the write is on disk before SIGTERM completes
     assert store.get("live").output_ids == [2, 3]
 

@@ -28,6 +28,7 @@ import torch
 from .drafter.protocol import Draft, Drafter, DraftRequest
 from .errors import DFlashError, InvalidRequestError
 from .generation import Generation, RoundOutput
+from .journal import CommittedRound, RoundJournal, SessionFencedError
 from .params import SamplingParams
 from .rounds import accept_length, committed_tokens, cut_at_stop
 from .sampling import sample_tokens
@@ -93,6 +94,7 @@ class SpeculativeEngine:
         config: SchedulerConfig = SchedulerConfig(),
         cost_curve: CostCurve | None = None,
         observer: StepObserver | None = None,
+        journal: RoundJournal | None = None,
     ):
         self.target = target
         self.drafter = drafter
@@ -102,6 +104,7 @@ class SpeculativeEngine:
         self.cache = target.new_cache(config.cache_tokens)
         self.scheduler = Scheduler(config, self.cache)
         self.observer = observer
+        self.journal = journal
         # Two locks, so that a step in progress never makes a request wait to be queued or cancelled:
         # _lock is held for a whole step (one step at a time); _admission only for the short changes to
         # the scheduler's queue and running set. Streams wait on their own Generation.wakeup.
@@ -207,12 +210,21 @@ class SpeculativeEngine:
     def stream(self, gen: Generation) -> Iterator[RoundOutput]:
         """The rounds of a submitted request, running steps (for every session) while it needs output.
         Closing the iterator early cancels the request and frees its cache."""
+        for rounds in self.stream_batches(gen):
+            yield from rounds
+
+    def stream_batches(self, gen: Generation) -> Iterator[list[RoundOutput]]:
+        """Like `stream`, but each item is every round that is ready when the reader asks: one round
+        while the reader keeps up, several when it falls behind (a server then sends one message for
+        them instead of a queue of small ones)."""
         try:
             while True:
                 if gen.outbox:
-                    out = gen.outbox.popleft()
-                    yield out
-                    if out.finish_reason is not None:
+                    rounds = []
+                    while gen.outbox and (not rounds or rounds[-1].finish_reason is None):
+                        rounds.append(gen.outbox.popleft())
+                    yield rounds
+                    if rounds[-1].finish_reason is not None:
                         return
                 elif gen.error is not None:
                     raise gen.error
@@ -318,12 +330,35 @@ class SpeculativeEngine:
             round_out = self._prefill_chunk(gen, n, out, verify_ms)
             if round_out is not None:
                 report.rounds.append((gen, round_out))
+        self._journal(report)
         for gen, round_out in report.rounds:
             gen.outbox.append(round_out)
         report.end_ns = time.time_ns()
         report.num_running, report.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
         if self.observer is not None:
             self.observer.on_step(report)
+
+    def _journal(self, report: StepReport) -> None:
+        """Make the step's rounds durable (one write for all sessions) before any is streamed. A session
+        taken over by another stream, or every session when the store is down, fails instead."""
+        stored = [(g, out) for g, out in report.rounds if g.session_id is not None]
+        if self.journal is None or not stored:
+            return
+        rounds = [CommittedRound(g.session_id, g.owner, out.token_ids, out.stats.index) for g, out in stored]
+        try:
+            fenced = self.journal.commit_rounds(rounds)
+        except DFlashError as exc:
+            failed = {id(g) for g, _ in stored}
+            for gen, _ in stored:
+                gen.error = exc
+            report.rounds = [(g, out) for g, out in report.rounds if id(g) not in failed]
+            return
+        lost = {id(stored[i][0]) for i in fenced}
+        for gen, _ in stored:
+            if id(gen) in lost:
+                gen.error = SessionFencedError(
+                    f"session_id: {gen.session_id} was taken over by a newer stream (a resume); this stream ends here")
+        report.rounds = [(g, out) for g, out in report.rounds if id(g) not in lost]
 
     def _propose(self, decodes: list[Generation], sizes: list[int]) -> list[Draft]:
         """Drafts for every decoding session in one drafter call; Draft.none() where the round drafts nothing.

@@ -74,6 +74,11 @@ class Generation:
     accepted_ema: float = 2.0
     rejected_ema: float = 1.0
     """Decayed counts of accepted proposals and of rejections: the session's acceptance rate (a prior of 2/3)."""
+    session_id: str | None = None
+    """The stored session this request commits its rounds to (journal.py); None: not stored. Distinct
+    from request_id, which keys the caches: a resume may run while the stream it replaces still does."""
+    owner: int = 1
+    """The fencing token this request's stream holds on its stored session."""
     trace_context: object = None
     """An OpenTelemetry context the request's round spans are children of (None: untraced)."""
 

@@ -39,8 +39,8 @@ class LocalDrafter:
     def open(self, session_id: str, first_position: int) -> None:
         """Start a session afresh with context beginning at `first_position` instead of 0.
 
-        For a drafter rebuilding a session from a windowed context log: the oldest positions are
-        gone, so the cache holds positions [first_position, ...) at their true RoPE positions.
+        For a session restarted from a window of its recent context: the oldest positions are not
+        there, so the cache holds positions [first_position, ...) at their true RoPE positions.
         """
         self.release(session_id)
         self.cache.reserve(session_id, self._max_rows)
@@ -54,13 +54,15 @@ class LocalDrafter:
         if len({r.session_id for r in requests}) != len(requests):
             raise DFlashError("draft_batch: a session appears twice in one batch")
         for r in requests:
-            if r.session_id not in self.cache:
+            if r.restart:
+                self.open(r.session_id, r.context_start)
+            elif r.session_id not in self.cache:
                 self.cache.reserve(r.session_id, self._max_rows)
             reached = self.session_length(r.session_id)
             if reached != r.context_start:
                 raise DFlashError(
                     f"drafter session {r.session_id} holds context up to position {reached}, "
-                    f"the call continues from {r.context_start}; replay the context from position 0"
+                    f"the call continues from {r.context_start}; send its recent context with restart"
                 )
         device = self.embed_tokens.weight.device
         dtype = next(self.model.parameters()).dtype

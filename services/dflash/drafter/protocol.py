@@ -66,6 +66,8 @@ class DraftRequest:
         the positions committed since the previous call (all prompt positions on the first call).
     last_token: the last committed token, at position context_start + n (not yet seen by the target).
     block_size: the block the drafter fills (proposals for positions context_start + n + 1 onwards).
+    restart: the context is the session's whole context from context_start (a window of its most
+        recent positions): the drafter drops what it holds for the session and starts afresh from it.
     """
 
     session_id: str
@@ -74,6 +76,7 @@ class DraftRequest:
     last_token: int
     block_size: int
     sampling: DraftSampling = GREEDY
+    restart: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,9 @@ class Drafter(Protocol):
         """Draft every request's block (one drafter forward per replica); results in request order.
 
         Each Draft holds block_size - 1 proposals, or with sampling.min_confidence > 0 only the leading
-        ones `rounds.confident_length` keeps (at least one). Raises `DFlashError`s only; an unknown
-        session with context_start > 0 is an error the caller answers by replaying context from 0.
+        ones `rounds.confident_length` keeps (at least one). Raises `DFlashError`s only; a session the
+        drafter does not hold up to context_start (and not a restart) is an error the caller answers
+        by sending its recent context again with `restart`.
         """
         ...
 

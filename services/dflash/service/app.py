@@ -123,7 +123,7 @@ class DrafterDeployment:
         _setup(cfg, "dflash-drafter")
         store = _store(cfg)
         net = cfg.drafter_net
-        self.server = DrafterServer(build_draft_sessions(cfg, store), store, net.host, net.port,
+        self.server = DrafterServer(build_draft_sessions(cfg), store, net.host, net.port,
                                     workers=net.workers).start()
 
     def address(self) -> str:

@@ -1,12 +1,10 @@
 """The wire format of tensors: `{dtype, shape, data}` with raw little-endian bytes, sliced into chunks.
 
-The only module that turns tensors into bytes and back, for gRPC messages and the Redis context log,
-and Draft calls into messages and back.
+The only module that turns tensors into bytes and back, and Draft calls into messages and back.
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -57,14 +55,14 @@ def from_proto(message: drafter_pb2.Tensor) -> torch.Tensor:
 
 def draft_request_chunks(
     session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int, chunk_bytes: int,
-    sampling: DraftSampling = GREEDY,
+    sampling: DraftSampling = GREEDY, restart: bool = False,
 ) -> Iterator[drafter_pb2.DraftRequestChunk]:
     """One session's part of a Draft stream: header + dtype/shape first, the context's bytes in slices."""
     data = tensor_bytes(context)
     head = drafter_pb2.DraftRequestChunk(
         session_id=session_id, context_start=context_start, last_token=last_token, block_size=block_size,
         min_confidence=sampling.min_confidence, temperature=sampling.temperature, top_k=sampling.top_k,
-        top_p=sampling.top_p, seed=sampling.seed,
+        top_p=sampling.top_p, seed=sampling.seed, restart=restart,
         context=drafter_pb2.Tensor(dtype=NAMES[context.dtype], shape=list(context.shape), data=data[:chunk_bytes]),
     )
     yield head
@@ -76,7 +74,7 @@ def draft_batch_chunks(requests: Iterable[DraftRequest], chunk_bytes: int) -> It
     """A DraftBatch stream: every request's chunks in turn."""
     for r in requests:
         yield from draft_request_chunks(r.session_id, r.context, r.context_start, r.last_token, r.block_size,
-                                        chunk_bytes, r.sampling)
+                                        chunk_bytes, r.sampling, r.restart)
 
 
 def draft_sampling(head: drafter_pb2.DraftRequestChunk) -> DraftSampling:
@@ -101,7 +99,7 @@ def join_draft_batch(chunks: Iterable[drafter_pb2.DraftRequestChunk]) -> list[Dr
         raise CodecError("empty Draft stream")
     return [
         DraftRequest(h.session_id, from_parts(h.context.dtype, h.context.shape, b"".join(p)), h.context_start,
-                     h.last_token, h.block_size, draft_sampling(h))
+                     h.last_token, h.block_size, draft_sampling(h), h.restart)
         for h, p in zip(heads, parts)
     ]
 
@@ -116,22 +114,3 @@ def join_draft_request(chunks: Iterable[drafter_pb2.DraftRequestChunk]) -> tuple
     if head is None:
         raise CodecError("empty Draft stream")
     return head, from_parts(head.context.dtype, head.context.shape, b"".join(parts))
-
-
-# -- the context log: one Redis list entry per appended slice of features -----------------------------
-
-_ENTRY = struct.Struct("<QI16s")  # start position, number of rows, dtype name
-
-
-def pack_log_entry(start: int, features: torch.Tensor) -> bytes:
-    """[start, rows, dtype, shape[1], data]; rows of the same session share their width."""
-    name = NAMES[features.dtype].encode()
-    width = struct.pack("<I", features.shape[1] if features.dim() == 2 else 0)
-    return _ENTRY.pack(start, features.shape[0], name) + width + tensor_bytes(features)
-
-
-def unpack_log_entry(entry: bytes) -> tuple[int, torch.Tensor]:
-    start, rows, name = _ENTRY.unpack_from(entry)
-    (width,) = struct.unpack_from("<I", entry, _ENTRY.size)
-    data = entry[_ENTRY.size + 4 :]
-    return start, from_parts(name.rstrip(b"\0").decode(), (rows, width), data)

@@ -46,7 +46,6 @@ class RedisConfig:
 
     url: str = ""
     ttl_s: int = 3600
-    context_window: int = 4096  # drafter context log: most recent positions kept per session (0: all)
     key_prefix: str = "dflash"
     socket_timeout_s: float = 5.0
 
@@ -90,6 +89,9 @@ class DrafterNetConfig:
     chunk_bytes: int = 1 << 20  # context tensors travel in slices of this size
     max_sessions: int = 256  # hot draft caches per replica (least recently used evicted)
     workers: int = 8  # gRPC server threads per replica: Draft calls in flight at most (more wait, uncounted)
+    # Target features of each session's most recent positions that the verifier keeps in its own memory,
+    # to restart the session on a drafter replica that lost it (0: all positions).
+    context_window: int = 4096
 
 
 @dataclass(frozen=True)
@@ -163,8 +165,8 @@ class ServiceConfig:
             raise ConfigError(f"metrics: must be ray, prometheus or none, got {self.metrics!r}")
         if self.redis.ttl_s <= 0:
             raise ConfigError(f"redis.ttl_s: must be positive, got {self.redis.ttl_s}")
-        if self.redis.context_window < 0:
-            raise ConfigError(f"redis.context_window: must be >= 0, got {self.redis.context_window}")
+        if self.drafter_net.context_window < 0:
+            raise ConfigError(f"drafter_net.context_window: must be >= 0, got {self.drafter_net.context_window}")
         for name in ("ingress", "verifier", "drafter"):
             dep = getattr(self, name)
             if dep.num_replicas < 1 or dep.max_ongoing_requests < 1:

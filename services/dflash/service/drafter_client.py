@@ -1,11 +1,13 @@
 """The verifier's side of the drafter transport: a `Drafter` that drafts on remote replicas over gRPC.
 
-Every call first appends each session's context to its context log in the store (so any replica can
-rebuild the session), then asks, in one DraftBatch call per replica, the replica that rendezvous
-hashing picks for each session. A replica
-that fails is skipped for `retry_after_s` and the next one is asked; the new one rebuilds from the log.
-When no replica answers, the round runs target-only (an empty draft): output stays exact, only slower,
-and the round's span says so. Replicas come back by advertising themselves in the store again.
+Each call asks, in one DraftBatch call per replica, the replica that rendezvous hashing picks for each
+session, sending only the context committed since the session's previous call. The verifier keeps
+each session's most recent `context_window` positions of target features in its own memory (never in
+the session store): a session whose replica changed (a failure, a new replica) is sent that window
+as a restart, and so is one the replica answers `missing_context` for (restarted, evicted). A replica
+that fails is skipped for `retry_after_s` and the next one is asked. When no replica answers, the
+round runs target-only (an empty draft): output stays exact, only slower, and the round's span says
+so. Replicas come back by advertising themselves in the store again.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections import deque
+from dataclasses import replace
 
 import grpc
 import torch
@@ -27,36 +29,68 @@ from .config import DrafterNetConfig
 from .metrics import ServiceMetrics
 from .session_store import SessionStore
 
-LOG_SLICE_ROWS = 64  # context log entries hold at most this many positions, so the window trims finely
+
+LIVE_REFRESH_S = 0.5  # how stale the list of live replicas may be (a dead one fails over at once anyway)
+
+
+class ContextWindow:
+    """A session's most recent target features, [rows, width], from position `start` on: the slices
+    of each call kept as they came (no copy per round), the oldest dropped while the rest still covers
+    `limit` positions (0: keep all)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.start = 0
+        self._slices: list[torch.Tensor] = []
+        self._rows = 0
+
+    def extend(self, context: torch.Tensor, context_start: int) -> None:
+        if context_start == 0 or context_start != self.start + self._rows:
+            self.start, self._slices, self._rows = context_start, [], 0
+        if context.shape[0]:
+            self._slices.append(context)
+            self._rows += context.shape[0]
+        while self.limit and len(self._slices) > 1 and self._rows - self._slices[0].shape[0] >= self.limit:
+            self._rows -= self._slices[0].shape[0]
+            self.start += self._slices.pop(0).shape[0]
+
+    def tensor(self) -> torch.Tensor:
+        return torch.cat(self._slices) if len(self._slices) != 1 else self._slices[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._slices)
 
 
 class RemoteDrafter:
     """Implements the `Drafter` protocol (see drafter/protocol.py) over the internal gRPC API."""
 
     def __init__(self, store: SessionStore, block_size: int, mask_token_id: int, target_layer_ids: tuple[int, ...],
-                 net: DrafterNetConfig = DrafterNetConfig(), context_window: int = 0,
-                 metrics: ServiceMetrics | None = None):
+                 net: DrafterNetConfig = DrafterNetConfig(), metrics: ServiceMetrics | None = None):
         self.store = store
         self.block_size = block_size
         self.mask_token_id = mask_token_id
         self.target_layer_ids = tuple(target_layer_ids)
         self.net = net
-        self.context_window = context_window
         self.metrics = metrics or ServiceMetrics("none")
         self._channels: dict[str, tuple[grpc.Channel, drafter_pb2_grpc.DrafterStub]] = {}
         self._failed_until: dict[str, float] = {}
-        self._log_rows: dict[str, deque[int]] = {}  # rows per log entry, newest last
-        self._last_replica: dict[str, str] = {}
+        self._windows: dict[str, ContextWindow] = {}
+        self._holder: dict[str, str] = {}  # the replica holding each session's draft context
+        self._live_list: list[str] = []
+        self._live_at = -LIVE_REFRESH_S
         self._lock = threading.Lock()
 
     def draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
         """Drafts (see `Drafter.draft_batch`): one DraftBatch call per replica, all replicas at once; a
         session whose replica fails moves to its next candidate; Draft.none() when nobody answered."""
         for r in requests:
-            self._log_context(r.session_id, r.context, r.context_start)
+            window = self._windows.setdefault(r.session_id, ContextWindow(self.net.context_window))
+            window.extend(r.context, r.context_start)
         span = trace.get_current_span()
         results: list[Draft | None] = [None] * len(requests)
         candidates = [self._candidates(r.session_id) for r in requests]
+        restarts = [False] * len(requests)  # sent again with their window after a missing_context reply
         pending = list(range(len(requests)))
         while pending:
             groups: dict[str, list[int]] = {}
@@ -65,7 +99,8 @@ class RemoteDrafter:
                     groups.setdefault(candidates[i][0], []).append(i)
             if not groups:
                 break
-            calls = {a: self._call_batch(a, [requests[i] for i in idx]) for a, idx in groups.items()}
+            calls = {a: self._call_batch(a, [self._request_for(a, requests[i], restarts[i]) for i in idx])
+                     for a, idx in groups.items()}
             pending = [i for i in pending if not candidates[i]]
             for address, idx in groups.items():
                 try:
@@ -78,7 +113,15 @@ class RemoteDrafter:
                     pending.extend(idx)
                     continue
                 for i, one in zip(idx, reply.replies):
-                    self._last_replica[requests[i].session_id] = address
+                    sid = requests[i].session_id
+                    if one.missing_context:
+                        self._holder.pop(sid, None)
+                        if restarts[i]:  # a restart cannot be missing its context: give up on this replica
+                            candidates[i] = [a for a in candidates[i] if a != address]
+                        restarts[i] = True
+                        pending.append(i)
+                        continue
+                    self._holder[sid] = address
                     results[i] = Draft(torch.tensor(list(one.draft_token_ids), dtype=torch.long),
                                        torch.tensor(list(one.top_probs), dtype=torch.float32), one.replica)
         fallbacks = sum(r is None for r in results)
@@ -95,10 +138,9 @@ class RemoteDrafter:
         return self.draft_batch([request])[0].tokens
 
     def release(self, session_id: str) -> None:
-        """Tell the replica that drafted last to drop the session's cache (best effort)."""
-        address = self._last_replica.pop(session_id, None)
-        with self._lock:
-            self._log_rows.pop(session_id, None)
+        """Forget the session here, and tell the replica holding it to drop its cache (best effort)."""
+        address = self._holder.pop(session_id, None)
+        self._windows.pop(session_id, None)
         if address is None:
             return
         try:
@@ -107,9 +149,25 @@ class RemoteDrafter:
             pass
 
     def last_replica(self, session_id: str) -> str:
-        return self._last_replica.get(session_id, "")
+        return self._holder.get(session_id, "")
+
+    def window(self, session_id: str) -> ContextWindow | None:
+        """The context the verifier keeps for a session (what a restart sends)."""
+        return self._windows.get(session_id)
+
+    def window_bytes(self) -> int:
+        """Memory held for all sessions' context windows."""
+        return sum(w.nbytes for w in list(self._windows.values()))
 
     # -- helpers ----------------------------------------------------------------------------------
+
+    def _request_for(self, address: str, request: DraftRequest, restart: bool) -> DraftRequest:
+        """The request as it goes to `address`: only the new context where that replica holds the
+        session, else the session's window as a restart."""
+        if not restart and (request.context_start == 0 or self._holder.get(request.session_id) == address):
+            return request
+        window = self._windows[request.session_id]
+        return replace(request, context=window.tensor(), context_start=window.start, restart=True)
 
     def _call_batch(self, address: str, requests: list[DraftRequest]):
         """A DraftBatch call in flight (a grpc future)."""
@@ -117,43 +175,22 @@ class RemoteDrafter:
         return self._stub(address).DraftBatch.future(chunks, timeout=self.net.timeout_s,
                                                      metadata=tracing.outgoing_metadata())
 
-    def _log_context(self, session_id: str, context: torch.Tensor, context_start: int) -> None:
-        """Append to the context log; a call from position 0 (new or re-prefilled session) restarts it."""
-        with self._lock:
-            rows = self._log_rows.setdefault(session_id, deque())
-            if context_start == 0:
-                rows.clear()
-        for offset in range(0, max(context.shape[0], 1), LOG_SLICE_ROWS):
-            piece = context[offset : offset + LOG_SLICE_ROWS]
-            with self._lock:
-                rows.append(piece.shape[0])
-                keep = self._entries_to_keep(rows)
-            self.store.append_context(
-                session_id, codec.pack_log_entry(context_start + offset, piece),
-                reset=context_start == 0 and offset == 0, keep_entries=keep,
-            )
-
-    def _entries_to_keep(self, rows: deque[int]) -> int:
-        """The fewest newest entries covering the window (0: keep all)."""
-        if self.context_window <= 0:
-            return 0
-        total = 0
-        for i, n in enumerate(reversed(rows), start=1):
-            total += n
-            if total >= self.context_window:
-                while len(rows) > i:
-                    rows.popleft()
-                return i
-        return 0
+    def _live(self) -> list[str]:
+        """The replicas advertised in the store, read at most every LIVE_REFRESH_S (not once per step)
+        while there are some; every call while there are none (a replica may be back any moment)."""
+        now = time.monotonic()
+        if not self._live_list or now - self._live_at >= LIVE_REFRESH_S:
+            try:
+                self._live_list = self.store.drafters()
+            except DFlashError:
+                self._live_list = list(self._channels)
+            self._live_at = now
+        return self._live_list
 
     def _candidates(self, session_id: str) -> list[str]:
         """Live replicas in rendezvous-hash order for this session, recently failed ones left out."""
-        try:
-            live = self.store.drafters()
-        except DFlashError:
-            live = list(self._channels)
         now = time.monotonic()
-        ok = [a for a in live if self._failed_until.get(a, 0.0) <= now]
+        ok = [a for a in self._live() if self._failed_until.get(a, 0.0) <= now]
 
         def score(address: str) -> bytes:
             return hashlib.blake2b(f"{session_id}|{address}".encode(), digest_size=8).digest()

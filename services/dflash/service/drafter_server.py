@@ -1,9 +1,9 @@
 """A drafter replica: the DFlash drafter (with the target's embedding and LM head) behind gRPC.
 
 Hot sessions keep their draft cache in memory. A call that does not continue a cached session (a new
-replica, a session moved here after a failure, an evicted cache) rebuilds it from the session's
-context log in the store: the log holds the target features of committed positions, so the rebuilt
-cache sees the same context (the most recent `context_window` positions of it) as the lost one.
+or restarted replica, a session moved here after a failure, an evicted cache) is answered with
+`missing_context` for that session, and the verifier sends the session's recent context again as a
+restart (drafter_client.py): no tensor ever goes through the session store.
 """
 
 from __future__ import annotations
@@ -11,16 +11,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import replace
 from concurrent import futures
 
 import grpc
-import torch
 from opentelemetry import trace
 
 from ..api.internal.v1 import drafter_pb2, drafter_pb2_grpc
 from ..drafter.local import LocalDrafter
-from ..drafter.protocol import GREEDY, Draft, DraftRequest, DraftSampling
+from ..drafter.protocol import Draft, DraftRequest
 from ..errors import DFlashError
 from . import codec, tracing
 from .autoscaling import HOT_SESSIONS, INFLIGHT_DRAFTS
@@ -29,62 +27,27 @@ from .session_store import SessionStore
 
 
 class DraftSessions:
-    """The replica's drafting state: a LocalDrafter plus least-recently-used eviction and rebuilds."""
+    """The replica's drafting state: a LocalDrafter plus least-recently-used eviction."""
 
-    def __init__(self, drafter: LocalDrafter, store: SessionStore, max_sessions: int = 256):
+    def __init__(self, drafter: LocalDrafter, max_sessions: int = 256):
         self.drafter = drafter
-        self.store = store
         self.max_sessions = max_sessions
         self._recent: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()  # one forward at a time: the model and its cache are shared
 
-    def draft_batch(self, requests: list[DraftRequest]) -> tuple[list[Draft], list[bool]]:
-        """Drafts for many sessions in one forward (see `Drafter.draft_batch`), and which were rebuilt."""
+    def draft_batch(self, requests: list[DraftRequest]) -> list[Draft | None]:
+        """Drafts for many sessions in one forward (see `Drafter.draft_batch`); None for a session whose
+        context this replica does not hold up to its context_start (the caller restarts it)."""
         for r in requests:
             if not 1 < r.block_size <= self.drafter.block_size:
                 raise DFlashError(f"block_size: {r.block_size} outside [2, {self.drafter.block_size}]")
         with self._lock:
-            ready, rebuilt = [], []
-            for r in requests:
-                fresh = False
-                if r.context_start == 0:
-                    self.drafter.release(r.session_id)
-                elif self.drafter.session_length(r.session_id) != r.context_start:
-                    context, start = self._rebuild(r.session_id, r.context, r.context_start)
-                    r = replace(r, context=context, context_start=start)
-                    fresh = True
+            ready = [r for r in requests if r.restart or r.context_start == 0
+                     or self.drafter.session_length(r.session_id) == r.context_start]
+            for r in ready:
                 self._touch(r.session_id)
-                ready.append(r)
-                rebuilt.append(fresh)
-            return self.drafter.draft_batch(ready), rebuilt
-
-    def draft(self, session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int,
-              sampling: DraftSampling = GREEDY):
-        """One session: (draft ids, rebuilt)."""
-        drafts, rebuilt = self.draft_batch([DraftRequest(session_id, context, context_start, last_token, block_size,
-                                                         sampling)])
-        return drafts[0].tokens, rebuilt[0]
-
-    def _rebuild(self, session_id: str, context: torch.Tensor, context_start: int):
-        """Context from the log, contiguous up to context_start, followed by this call's context."""
-        entries = [codec.unpack_log_entry(e) for e in self.store.context_log(session_id)]
-        rows, expected = [], context_start
-        for start, features in reversed(entries):  # newest first, walking back while contiguous
-            end = start + features.shape[0]
-            if end <= context_start and end == expected:
-                rows.append(features)
-                expected = start
-            elif start < expected:
-                break
-        if not rows:
-            raise DFlashError(
-                f"session {session_id}: the context log does not reach position {context_start}; "
-                "the verifier restarts the session's draft context"
-            )
-        rows.reverse()
-        self.drafter.open(session_id, expected)
-        prefix = torch.cat(rows).to(context.dtype)
-        return torch.cat([prefix, context]), expected
+            drafts = dict(zip((r.session_id for r in ready), self.drafter.draft_batch(ready)))
+        return [drafts.get(r.session_id) for r in requests]
 
     def release(self, session_id: str) -> None:
         with self._lock:
@@ -145,14 +108,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                                      "dflash.context_start": requests[0].context_start})
             t0 = time.perf_counter()
             try:
-                drafts, rebuilt = self.sessions.draft_batch(requests)
+                drafts = self.sessions.draft_batch(requests)
             except DFlashError as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            span.set_attribute("dflash.drafter.rebuilt", any(rebuilt))
+            span.set_attributes({"dflash.drafter.rebuilt": any(r.restart for r in requests),
+                                 "dflash.drafter.missing": sum(d is None for d in drafts)})
             ms = (time.perf_counter() - t0) * 1000
-            replies = [drafter_pb2.DraftReply(draft_token_ids=d.tokens.tolist(), top_probs=d.probs.tolist(),
-                                              replica=self.replica, rebuilt=b, draft_ms=ms)
-                       for d, b in zip(drafts, rebuilt)]
+            replies = [drafter_pb2.DraftReply(replica=self.replica, missing_context=True) if d is None else
+                       drafter_pb2.DraftReply(draft_token_ids=d.tokens.tolist(), top_probs=d.probs.tolist(),
+                                              replica=self.replica, rebuilt=r.restart, draft_ms=ms)
+                       for r, d in zip(requests, drafts)]
             return drafter_pb2.DraftBatchReply(replies=replies, draft_ms=ms)
 
     def Release(self, request, context):

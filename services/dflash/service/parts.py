@@ -38,7 +38,7 @@ def build_verifier_engine(config: ServiceConfig, store: SessionStore, metrics: S
     model, tokenizer = load_target(target_dir, device, resolve_dtype(config.model.dtype, device))
     if drafter_dir is None:
         return SpeculativeEngine(TargetModel(model), None, tokenizer, eos_ids(model), config.scheduler,
-                                 observer=StepTelemetry(metrics))
+                                 observer=StepTelemetry(metrics), journal=store)
     if config.mode == "colocated":
         draft_model = load_drafter(drafter_dir, device=device, dtype=model.dtype)
         draft_config = draft_model.config
@@ -50,12 +50,12 @@ def build_verifier_engine(config: ServiceConfig, store: SessionStore, metrics: S
         drafter = LocalDrafter(draft_model, target.embed_tokens, target.lm_head)
     else:
         drafter = RemoteDrafter(store, draft_config.block_size, draft_config.mask_token_id,
-                                draft_config.target_layer_ids, config.drafter_net, config.redis.context_window, metrics)
+                                draft_config.target_layer_ids, config.drafter_net, metrics)
     return SpeculativeEngine(target, drafter, tokenizer, eos_ids(model), config.scheduler,
-                             observer=StepTelemetry(metrics))
+                             observer=StepTelemetry(metrics), journal=store)
 
 
-def build_draft_sessions(config: ServiceConfig, store: SessionStore) -> DraftSessions:
+def build_draft_sessions(config: ServiceConfig) -> DraftSessions:
     """The drafter plus the target's embedding and LM head, read alone from the target's checkpoint."""
     target_dir, drafter_dir = model_dirs(config)
     device = resolve_device(config.model.device)
@@ -64,4 +64,4 @@ def build_draft_sessions(config: ServiceConfig, store: SessionStore) -> DraftSes
     draft_model = load_drafter(drafter_dir, device=device, dtype=embed.dtype)
     check_compatible(draft_model.config, heads.config, embed.shape[0])
     drafter = LocalDrafter(draft_model, heads.embed_tokens, heads.lm_head)
-    return DraftSessions(drafter, store, config.drafter_net.max_sessions)
+    return DraftSessions(drafter, config.drafter_net.max_sessions)

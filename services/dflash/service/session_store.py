@@ -1,13 +1,22 @@
-"""The session store: everything needed to recover a request, in Redis (or in process for one machine).
+"""The session store: what a request needs to be resumed on any verifier replica, and nothing more.
 
-Per session, under `{prefix}:s:{id}`:
-  hash  {prefix}:s:{id}       request (JSON: prompt ids, sampling params, model), seed, status, rounds, final
-  str   {prefix}:s:{id}:out   committed token ids, little-endian uint32, appended each round
-  list  {prefix}:s:{id}:ctx   the drafter's context log: packed feature slices (see codec.pack_log_entry)
-All three expire `ttl_s` after the last write. Drafter replicas advertise themselves in the sorted set
-`{prefix}:drafters` (member: address, score: expiry time).
+Per session, in Redis:
+  hash  {prefix}:s:{id}       prompt (uint32 ids), params (JSON), model, seed, status, rounds, final (JSON),
+                              owner (the fencing token of the stream that may commit)
+  str   {prefix}:s:{id}:out   committed token ids, little-endian uint32, appended each step
+Both expire `ttl_s` after the last write. No tensors: a drafter replica that lost a session's context
+gets it back from the verifier (drafter_client.py), which keeps the recent window in its own memory.
+Drafter replicas advertise themselves in the sorted set `{prefix}:drafters` (member: address, score:
+expiry time); expired members are removed whenever the set is read.
 
-No torch here: the ingress uses this module. The context log is opaque bytes at this level.
+One owner per session: `create` gives the first stream owner token 1, and `take_over` (a resume)
+atomically truncates the output to what the client received, marks the session running and raises
+the token. `commit_rounds` and `finish` write only where the token they carry is still the
+session's, so a stream that lost its session (a verifier behind a broken connection, a racing resume)
+can no longer change it. `commit_rounds` writes the rounds of one engine step for all its sessions in
+one round trip (one Lua script).
+
+No torch here: the ingress uses this module.
 """
 
 from __future__ import annotations
@@ -19,7 +28,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
-from ..errors import DFlashError
+from ..errors import DFlashError, InvalidRequestError
+from ..journal import CommittedRound
 from ..params import SamplingParams
 
 RUNNING, FINISHED, CANCELLED, FAILED = "running", "finished", "cancelled", "failed"
@@ -27,6 +37,10 @@ RUNNING, FINISHED, CANCELLED, FAILED = "running", "finished", "cancelled", "fail
 
 class StoreUnavailableError(DFlashError):
     """The session store cannot be reached; the request cannot be served or resumed right now."""
+
+
+class SessionNotFoundError(DFlashError):
+    """No session with that id (never created, or expired)."""
 
 
 @dataclass
@@ -42,6 +56,7 @@ class SessionRecord:
     num_rounds: int = 0
     output_ids: list[int] = field(default_factory=list)
     final: dict = field(default_factory=dict)  # the final chunk's numbers, once finished
+    owner: int = 1  # fencing token of the stream allowed to commit
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.params)
@@ -52,13 +67,29 @@ class SessionStore(Protocol):
     StoreUnavailableError."""
 
     def ping(self) -> None: ...
-    def create(self, record: SessionRecord) -> None: ...
+
+    def create(self, record: SessionRecord) -> None:
+        """A new session, owned by record.owner (1)."""
+        ...
+
     def get(self, session_id: str) -> SessionRecord | None: ...
-    def commit(self, session_id: str, new_ids: list[int], num_rounds: int) -> None: ...
-    def finish(self, session_id: str, status: str, final: dict | None = None) -> None: ...
-    def truncate_output(self, session_id: str, length: int) -> None: ...
-    def append_context(self, session_id: str, entry: bytes, reset: bool = False, keep_entries: int = 0) -> None: ...
-    def context_log(self, session_id: str) -> list[bytes]: ...
+
+    def take_over(self, session_id: str, tokens_received: int) -> SessionRecord:
+        """A resume: keep the first `tokens_received` committed ids, mark the session running and make
+        the caller its owner (a new token in the returned record), all at once. A finished session whose
+        client has every token is returned unchanged (nothing to take over). SessionNotFoundError, or
+        InvalidRequestError when tokens_received exceeds what was committed."""
+        ...
+
+    def commit_rounds(self, rounds: list[CommittedRound]) -> set[int]:
+        """Append each round's tokens and count, in one round trip; the positions (in `rounds`) of the
+        rounds whose owner token is no longer the session's (nothing was written for them)."""
+        ...
+
+    def finish(self, session_id: str, owner: int, status: str, final: dict | None = None) -> bool:
+        """Set the final status if `owner` still owns the session; False (nothing written) if not."""
+        ...
+
     def advertise_drafter(self, address: str, ttl_s: float) -> None: ...
     def withdraw_drafter(self, address: str) -> None: ...
     def drafters(self) -> list[str]: ...
@@ -72,8 +103,64 @@ def unpack_ids(data: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(data) // 4}I", data))
 
 
+def _tokens_received_error(session_id: str, received: int, committed: int) -> InvalidRequestError:
+    return InvalidRequestError("tokens_received", f"{received} exceeds the {committed} tokens session "
+                               f"{session_id!r} has committed")
+
+
+# KEYS: hash, out pairs. ARGV: ttl, then (owner, rounds, ids) per session. Returns the 1-based indices fenced.
+_COMMIT = """
+local ttl = tonumber(ARGV[1])
+local fenced = {}
+for i = 1, #KEYS / 2 do
+  local h, o = KEYS[2 * i - 1], KEYS[2 * i]
+  if redis.call('HGET', h, 'owner') ~= ARGV[3 * i - 1] then
+    fenced[#fenced + 1] = i
+  else
+    local ids = ARGV[3 * i + 1]
+    if #ids > 0 then redis.call('APPEND', o, ids) end
+    redis.call('HSET', h, 'rounds', ARGV[3 * i])
+    redis.call('EXPIRE', h, ttl)
+    redis.call('EXPIRE', o, ttl)
+  end
+end
+return fenced
+"""
+
+# KEYS: hash, out. ARGV: tokens_received, ttl. Returns {code, owner, committed, out}.
+_TAKE_OVER = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing', 0, 0, ''} end
+local out = redis.call('GET', KEYS[2]) or ''
+local have = math.floor(#out / 4)
+local got = tonumber(ARGV[1])
+if got > have then return {'ahead', 0, have, ''} end
+if redis.call('HGET', KEYS[1], 'status') == 'finished' and got == have then
+  return {'finished', tonumber(redis.call('HGET', KEYS[1], 'owner')), have, out}
+end
+out = string.sub(out, 1, 4 * got)
+redis.call('SET', KEYS[2], out, 'EX', tonumber(ARGV[2]))
+local owner = redis.call('HINCRBY', KEYS[1], 'owner', 1)
+redis.call('HSET', KEYS[1], 'status', 'running')
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
+return {'owned', owner, have, out}
+"""
+
+# KEYS: hash, out. ARGV: owner, status, final JSON, ttl. Returns 1 if written, 0 if fenced.
+_FINISH = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'final', ARGV[3])
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
+redis.call('EXPIRE', KEYS[2], tonumber(ARGV[4]))
+return 1
+"""
+
+
 class RedisSessionStore:
-    """SessionStore on Redis (redis-py, synchronous; call from threads in async code)."""
+    """SessionStore on Redis (redis-py, synchronous; call from threads in async code).
+
+    The scripts touch several keys of a session (and of many sessions in commit_rounds): one Redis, or
+    a cluster with the whole key prefix in one hash slot (a `{...}` hash tag in key_prefix).
+    """
 
     def __init__(self, url: str, ttl_s: int = 3600, prefix: str = "dflash", socket_timeout_s: float = 5.0):
         import redis
@@ -85,9 +172,15 @@ class RedisSessionStore:
         self.redis = redis.Redis.from_url(
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s, retry_on_timeout=False
         )
+        self._commit = self.redis.register_script(_COMMIT)
+        self._take_over = self.redis.register_script(_TAKE_OVER)
+        self._finish = self.redis.register_script(_FINISH)
 
     def _key(self, session_id: str, part: str = "") -> str:
         return f"{self.prefix}:s:{session_id}{part}"
+
+    def _keys(self, session_id: str) -> list[str]:
+        return [self._key(session_id), self._key(session_id, ":out")]
 
     def _run(self, fn):
         try:
@@ -98,26 +191,23 @@ class RedisSessionStore:
                 "or resumed until it is back; retry shortly"
             ) from None
 
-    def _expire_all(self, pipe, session_id: str) -> None:
-        for part in ("", ":out", ":ctx"):
-            pipe.expire(self._key(session_id, part), self.ttl_s)
-
     def ping(self) -> None:
         self._run(self.redis.ping)
 
     def create(self, record: SessionRecord) -> None:
-        request = {"prompt_ids": record.prompt_ids, "params": record.params, "model": record.model}
-
         def write():
+            hash_key, out_key = self._keys(record.session_id)
             pipe = self.redis.pipeline()
-            pipe.delete(self._key(record.session_id, ":out"), self._key(record.session_id, ":ctx"))
-            pipe.hset(self._key(record.session_id), mapping={
-                "request": json.dumps(request), "seed": str(record.seed), "status": record.status,
-                "rounds": record.num_rounds, "final": "{}",
+            pipe.delete(out_key)
+            pipe.hset(hash_key, mapping={
+                "prompt": pack_ids(record.prompt_ids), "params": json.dumps(record.params), "model": record.model,
+                "seed": str(record.seed), "status": record.status, "rounds": record.num_rounds, "final": "{}",
+                "owner": record.owner,
             })
             if record.output_ids:
-                pipe.set(self._key(record.session_id, ":out"), pack_ids(record.output_ids))
-            self._expire_all(pipe, record.session_id)
+                pipe.set(out_key, pack_ids(record.output_ids))
+            pipe.expire(hash_key, self.ttl_s)
+            pipe.expire(out_key, self.ttl_s)
             pipe.execute()
 
         self._run(write)
@@ -130,63 +220,33 @@ class RedisSessionStore:
             return pipe.execute()
 
         fields, out = self._run(read)
-        if not fields:
-            return None
-        fields = {k.decode(): v.decode() for k, v in fields.items()}
-        request = json.loads(fields["request"])
-        return SessionRecord(
-            session_id=session_id, prompt_ids=request["prompt_ids"], params=request["params"],
-            seed=int(fields["seed"]), model=request.get("model", ""), status=fields["status"],
-            num_rounds=int(fields["rounds"]), output_ids=unpack_ids(out or b""), final=json.loads(fields["final"]),
-        )
+        return self._record(session_id, fields, out or b"") if fields else None
 
-    def commit(self, session_id: str, new_ids: list[int], num_rounds: int) -> None:
-        def write():
-            pipe = self.redis.pipeline()
-            if new_ids:
-                pipe.append(self._key(session_id, ":out"), pack_ids(new_ids))
-            pipe.hset(self._key(session_id), "rounds", num_rounds)
-            self._expire_all(pipe, session_id)
-            pipe.execute()
+    def take_over(self, session_id: str, tokens_received: int) -> SessionRecord:
+        code, owner, have, out = self._run(
+            lambda: self._take_over(keys=self._keys(session_id), args=[tokens_received, self.ttl_s]))
+        if code == b"missing":
+            raise SessionNotFoundError(f"session_id: no session {_short(session_id)!r} (unknown or expired)")
+        if code == b"ahead":
+            raise _tokens_received_error(_short(session_id), tokens_received, have)
+        record = self.get(session_id)
+        if record is None:  # expired between the two calls
+            raise SessionNotFoundError(f"session_id: no session {_short(session_id)!r} (unknown or expired)")
+        record.owner, record.output_ids = int(owner), unpack_ids(out)
+        return record
 
-        self._run(write)
+    def commit_rounds(self, rounds: list[CommittedRound]) -> set[int]:
+        if not rounds:
+            return set()
+        keys, args = [], [self.ttl_s]
+        for r in rounds:
+            keys += self._keys(r.session_id)
+            args += [r.owner, r.num_rounds, pack_ids(r.token_ids)]
+        return {i - 1 for i in self._run(lambda: self._commit(keys=keys, args=args))}
 
-    def truncate_output(self, session_id: str, length: int) -> None:
-        """Keep the first `length` committed ids (a resumed request regenerates the rest identically)."""
-        def write():
-            key = self._key(session_id, ":out")
-            data = self.redis.get(key) or b""
-            self.redis.set(key, data[: 4 * length], ex=self.ttl_s)
-
-        self._run(write)
-
-    def finish(self, session_id: str, status: str, final: dict | None = None) -> None:
-        def write():
-            pipe = self.redis.pipeline()
-            pipe.hset(self._key(session_id), mapping={"status": status, "final": json.dumps(final or {})})
-            self._expire_all(pipe, session_id)
-            pipe.execute()
-
-        self._run(write)
-
-    def append_context(self, session_id: str, entry: bytes, reset: bool = False, keep_entries: int = 0) -> None:
-        """Append one log entry; `reset` starts the log afresh; keep_entries > 0 keeps only the newest."""
-        key = self._key(session_id, ":ctx")
-
-        def write():
-            pipe = self.redis.pipeline()
-            if reset:
-                pipe.delete(key)
-            pipe.rpush(key, entry)
-            if keep_entries > 0:
-                pipe.ltrim(key, -keep_entries, -1)
-            pipe.expire(key, self.ttl_s)
-            pipe.execute()
-
-        self._run(write)
-
-    def context_log(self, session_id: str) -> list[bytes]:
-        return self._run(lambda: self.redis.lrange(self._key(session_id, ":ctx"), 0, -1))
+    def finish(self, session_id: str, owner: int, status: str, final: dict | None = None) -> bool:
+        args = [owner, status, json.dumps(final or {}), self.ttl_s]
+        return bool(self._run(lambda: self._finish(keys=self._keys(session_id), args=args)))
 
     def advertise_drafter(self, address: str, ttl_s: float) -> None:
         self._run(lambda: self.redis.zadd(f"{self.prefix}:drafters", {address: time.time() + ttl_s}))
@@ -195,8 +255,34 @@ class RedisSessionStore:
         self._run(lambda: self.redis.zrem(f"{self.prefix}:drafters", address))
 
     def drafters(self) -> list[str]:
-        members = self._run(lambda: self.redis.zrangebyscore(f"{self.prefix}:drafters", time.time(), "+inf"))
-        return sorted(m.decode() for m in members)
+        """Live drafter replicas; the entries of replicas that stopped advertising are deleted."""
+        def read():
+            now, key = time.time(), f"{self.prefix}:drafters"
+            pipe = self.redis.pipeline()
+            pipe.zremrangebyscore(key, "-inf", now)
+            pipe.zrange(key, 0, -1)
+            return pipe.execute()[1]
+
+        return sorted(m.decode() for m in self._run(read))
+
+    def session_bytes(self, session_id: str) -> int:
+        """Redis's own MEMORY USAGE of the session's keys (for tests and capacity planning)."""
+        return sum(self._run(lambda: self.redis.memory_usage(k, samples=0)) or 0 for k in self._keys(session_id))
+
+    @staticmethod
+    def _record(session_id: str, fields: dict, out: bytes) -> SessionRecord:
+        text = {k.decode(): v for k, v in fields.items()}
+        return SessionRecord(
+            session_id=session_id, prompt_ids=unpack_ids(text["prompt"]), params=json.loads(text["params"]),
+            seed=int(text["seed"]), model=text["model"].decode(), status=text["status"].decode(),
+            num_rounds=int(text["rounds"]), output_ids=unpack_ids(out), final=json.loads(text["final"]),
+            owner=int(text["owner"]),
+        )
+
+
+def _short(text: str, limit: int = 64) -> str:
+    """Client input echoed in an error, cut to a bounded length."""
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class MemorySessionStore:
@@ -208,7 +294,6 @@ class MemorySessionStore:
     def __init__(self):
         self._lock = threading.Lock()
         self._records: dict[str, SessionRecord] = {}
-        self._logs: dict[str, list[bytes]] = {}
         self._drafters: dict[str, float] = {}
 
     def ping(self) -> None:
@@ -217,37 +302,46 @@ class MemorySessionStore:
     def create(self, record: SessionRecord) -> None:
         with self._lock:
             self._records[record.session_id] = SessionRecord(**asdict(record))
-            self._logs.pop(record.session_id, None)
 
     def get(self, session_id: str) -> SessionRecord | None:
         with self._lock:
             record = self._records.get(session_id)
             return None if record is None else SessionRecord(**asdict(record))
 
-    def commit(self, session_id: str, new_ids: list[int], num_rounds: int) -> None:
+    def take_over(self, session_id: str, tokens_received: int) -> SessionRecord:
         with self._lock:
-            record = self._records[session_id]
-            record.output_ids.extend(new_ids)
-            record.num_rounds = num_rounds
+            record = self._records.get(session_id)
+            if record is None:
+                raise SessionNotFoundError(f"session_id: no session {_short(session_id)!r} (unknown or expired)")
+            have = len(record.output_ids)
+            if tokens_received > have:
+                raise _tokens_received_error(_short(session_id), tokens_received, have)
+            if not (record.status == FINISHED and tokens_received == have):
+                del record.output_ids[tokens_received:]
+                record.status = RUNNING
+                record.owner += 1
+            return SessionRecord(**asdict(record))
 
-    def truncate_output(self, session_id: str, length: int) -> None:
+    def commit_rounds(self, rounds: list[CommittedRound]) -> set[int]:
+        fenced = set()
         with self._lock:
-            del self._records[session_id].output_ids[length:]
+            for i, r in enumerate(rounds):
+                record = self._records.get(r.session_id)
+                if record is None or record.owner != r.owner:
+                    fenced.add(i)
+                    continue
+                record.output_ids.extend(r.token_ids)
+                record.num_rounds = r.num_rounds
+        return fenced
 
-    def finish(self, session_id: str, status: str, final: dict | None = None) -> None:
+    def finish(self, session_id: str, owner: int, status: str, final: dict | None = None) -> bool:
         with self._lock:
-            self._records[session_id].status = status
-            self._records[session_id].final = dict(final or {})
-
-    def append_context(self, session_id: str, entry: bytes, reset: bool = False, keep_entries: int = 0) -> None:
-        with self._lock:
-            log = [] if reset else self._logs.get(session_id, [])
-            log.append(entry)
-            self._logs[session_id] = log[-keep_entries:] if keep_entries > 0 else log
-
-    def context_log(self, session_id: str) -> list[bytes]:
-        with self._lock:
-            return list(self._logs.get(session_id, []))
+            record = self._records.get(session_id)
+            if record is None or record.owner != owner:
+                return False
+            record.status = status
+            record.final = dict(final or {})
+            return True
 
     def advertise_drafter(self, address: str, ttl_s: float) -> None:
         with self._lock:
@@ -260,7 +354,9 @@ class MemorySessionStore:
     def drafters(self) -> list[str]:
         now = time.time()
         with self._lock:
-            return sorted(a for a, t in self._drafters.items() if t > now)
+            for address in [a for a, t in self._drafters.items() if t <= now]:
+                del self._drafters[address]
+            return sorted(self._drafters)
 
 
 def open_store(url: str, ttl_s: int = 3600, prefix: str = "dflash", socket_timeout_s: float = 5.0) -> SessionStore:

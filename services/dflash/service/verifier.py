@@ -1,27 +1,31 @@
-"""The verifier: owns the target, runs the engine's loop for one Generate, writes the session each round.
+"""The verifier: owns the target's engine; turns a VerifyRequest into a stream of GenerateChunks.
 
-Rounds are committed to the store before they are streamed, so the store always holds at least what
-the client has received: a client that reconnects with (session id, tokens received) is resumed by
-re-prefilling prompt + those tokens with the stored seed, and position-seeded sampling regenerates
-exactly the tokens it has not seen.
+The engine writes each step's rounds to the session store (one write for all sessions) before they
+are streamed, so the store always holds at least what the client has received: a client that
+reconnects with (session id, tokens received) is resumed by re-prefilling prompt + those tokens with
+the stored seed, and position-seeded sampling regenerates exactly the tokens it has not seen. A resume
+takes the session over (a new owner token): a stream still running for it elsewhere ends with ABORTED
+at its next step, without writing anything more.
 """
 
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Iterator
 
 from ..api.v1 import generate_pb2
 from ..engine import SpeculativeEngine
 from ..errors import DFlashError, InvalidRequestError
 from ..generation import RoundOutput
+from ..journal import SessionFencedError
 from ..params import SamplingParams
 from ..scheduler import QueueFullError
 from . import tracing
 from .messages import StreamError, VerifyRequest
 from .metrics import ServiceMetrics
-from .session_store import CANCELLED, FAILED, FINISHED, RUNNING, SessionRecord, SessionStore, StoreUnavailableError
+from .session_store import (
+    CANCELLED, FAILED, FINISHED, SessionNotFoundError, SessionRecord, SessionStore, StoreUnavailableError,
+)
 
 
 class Verifier:
@@ -42,6 +46,10 @@ class Verifier:
             yield from self._stream(request, cancelled)
         except InvalidRequestError as exc:
             yield StreamError("INVALID_ARGUMENT", str(exc))
+        except SessionNotFoundError as exc:
+            yield StreamError("NOT_FOUND", str(exc))
+        except SessionFencedError as exc:
+            yield StreamError("ABORTED", str(exc))
         except StoreUnavailableError as exc:
             yield StreamError("UNAVAILABLE", str(exc))
         finally:
@@ -49,31 +57,34 @@ class Verifier:
                 tracing.otel_context.detach(token)
 
     def _stream(self, request: VerifyRequest, cancelled: threading.Event):
-        record = self._resume(request) if request.resume else self._create(request)
-        if isinstance(record, StreamError):
-            yield record
-            return
-        committed = record.output_ids[: request.tokens_received]
-        if record.status == FINISHED and request.tokens_received == len(record.output_ids):
+        record = self.store.take_over(request.session_id, request.tokens_received) if request.resume \
+            else self._create(request)
+        if record.status == FINISHED:  # a resume of a finished session whose client has every token
             yield generate_pb2.GenerateChunk(session_id=record.session_id, final=_final_proto(record.final))
             return
+        # request_id keys the engine's caches: one per owner, as a resume may start before the stream it
+        # replaces has noticed; session_id is what the engine's journal commits to.
+        gen = self.engine.start(record.prompt_ids, record.sampling_params(), f"{record.session_id}.{record.owner}",
+                                committed_ids=record.output_ids or None, seed=record.seed)
+        gen.session_id, gen.owner = record.session_id, record.owner
+        gen.trace_context = tracing.otel_context.get_current()
         try:
-            rounds = self.engine.generate(record.prompt_ids, record.sampling_params(), record.session_id,
-                                          committed_ids=committed or None, seed=record.seed,
-                                          trace_context=tracing.otel_context.get_current())
+            self.engine.submit(gen)
         except QueueFullError as exc:
-            self._mark(record.session_id, FAILED)
+            self._mark(record, FAILED)
             yield StreamError("RESOURCE_EXHAUSTED", str(exc))
             return
+        batches = self.engine.stream_batches(gen)
         status = FAILED
         try:
-            for out in rounds:
-                if out.token_ids or out.finish_reason or out.stats.index == 0:
-                    self.store.commit(record.session_id, out.token_ids, out.stats.index)
-                    yield self._chunk(record.session_id, out)
-                if out.finish_reason is not None:
+            for rounds in batches:
+                chunk = self._chunk(record.session_id, rounds)
+                if chunk is not None:
+                    yield chunk
+                last = rounds[-1]
+                if last.finish_reason is not None:
                     status = FINISHED
-                    self._finish(record, out)
+                    self._finish(record, last)
                     break
                 if cancelled.is_set():
                     break
@@ -82,10 +93,13 @@ class Verifier:
         except GeneratorExit:  # the consumer went away between rounds
             status = CANCELLED
             raise
+        except SessionFencedError:
+            status = None  # the session is someone else's now: leave its status alone
+            raise
         finally:
-            rounds.close()  # cancels the request in the engine unless it finished, freeing its caches
-            if status != FINISHED:
-                self._mark(record.session_id, status)
+            batches.close()  # cancels the request in the engine unless it finished, freeing its caches
+            if status not in (FINISHED, None):
+                self._mark(record, status)
 
     def _create(self, request: VerifyRequest) -> SessionRecord:
         params = SamplingParams(**request.params)
@@ -97,47 +111,40 @@ class Verifier:
         self.store.create(record)
         return record
 
-    def _resume(self, request: VerifyRequest) -> SessionRecord | StreamError:
-        record = self.store.get(request.session_id)
-        if record is None:
-            return StreamError("NOT_FOUND", f"session_id: no session {request.session_id!r} (unknown or expired)")
-        if request.tokens_received > len(record.output_ids):
-            return StreamError("INVALID_ARGUMENT", f"tokens_received: {request.tokens_received} exceeds the "
-                               f"{len(record.output_ids)} tokens session {request.session_id!r} has committed")
-        if record.status != FINISHED or request.tokens_received < len(record.output_ids):
-            self.store.truncate_output(record.session_id, request.tokens_received)
-            self.store.finish(record.session_id, RUNNING)
-            if record.status == FINISHED:
-                record.status = RUNNING
-        return record
-
-    def _chunk(self, session_id: str, out: RoundOutput) -> generate_pb2.GenerateChunk:
-        s = out.stats
+    def _chunk(self, session_id: str, rounds: list[RoundOutput]) -> generate_pb2.GenerateChunk | None:
+        """One message for the rounds ready now (several when the client reads slower than the engine
+        steps): their tokens and text, every round's stats, and `round` repeating the last one. None
+        when they add nothing the client needs (a round that committed nothing, not the first)."""
+        shown = [r for r in rounds if r.token_ids or r.finish_reason or r.stats.index == 0]
+        if not shown:
+            return None
+        stats = [_round_proto(r) for r in shown]
         chunk = generate_pb2.GenerateChunk(
-            session_id=session_id, text=out.text, token_ids=out.token_ids,
-            round=generate_pb2.RoundStats(
-                index=s.index, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
-                committed=s.committed, draft_ms=s.draft_ms, verify_ms=s.verify_ms, drafter=s.drafter,
-            ),
+            session_id=session_id, text="".join(r.text for r in shown),
+            token_ids=[t for r in shown for t in r.token_ids], round=stats[-1], rounds=stats,
         )
-        if out.finish_reason is not None:
-            chunk.final.CopyFrom(_final_proto(_final_dict(out)))
+        if shown[-1].finish_reason is not None:
+            chunk.final.CopyFrom(_final_proto(_final_dict(shown[-1])))
         return chunk
 
     def _finish(self, record: SessionRecord, out: RoundOutput) -> None:
-        self.store.finish(record.session_id, FINISHED, _final_dict(out))
+        self.store.finish(record.session_id, record.owner, FINISHED, _final_dict(out))
         self.metrics.record_request("finished", out.totals.tau, out.totals.decode_tokens_per_s)
 
-    def _mark(self, session_id: str, status: str) -> None:
+    def _mark(self, record: SessionRecord, status: str) -> None:
         self.metrics.record_request(status)
         try:
-            self.store.finish(session_id, status)
+            self.store.finish(record.session_id, record.owner, status)
         except DFlashError:
             pass  # the store is down: the session stays "running" and can still be resumed later
 
 
-def new_session_id() -> str:
-    return uuid.uuid4().hex
+def _round_proto(out: RoundOutput) -> generate_pb2.RoundStats:
+    s = out.stats
+    return generate_pb2.RoundStats(
+        index=s.index, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens, committed=s.committed,
+        draft_ms=s.draft_ms, verify_ms=s.verify_ms, drafter=s.drafter,
+    )
 
 
 def _final_dict(out: RoundOutput) -> dict:

@@ -40,18 +40,20 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., block_size: _Optional[int] = ..., draft_confidence: _Optional[float] = ..., session_id: _Optional[str] = ..., tokens_received: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("session_id", "text", "token_ids", "round", "final")
+    __slots__ = ("session_id", "text", "token_ids", "round", "final", "rounds")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     round: RoundStats
     final: Final
-    def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., round: _Optional[_Union[RoundStats, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
+    rounds: _containers.RepeatedCompositeFieldContainer[RoundStats]
+    def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., round: _Optional[_Union[RoundStats, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ..., rounds: _Optional[_Iterable[_Union[RoundStats, _Mapping]]] = ...) -> None: ...
 
 class RoundStats(_message.Message):
     __slots__ = ("index", "draft_tokens", "accepted_tokens", "committed", "draft_ms", "verify_ms", "drafter")

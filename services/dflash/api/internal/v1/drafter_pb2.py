@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$dflash/api/internal/v1/drafter.proto\x12\x12\x64\x66lash.internal.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xec\x01\n\x11\x44raftRequestChunk\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcontext_start\x18\x02 \x01(\x04\x12\x12\n\nlast_token\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12+\n\x07\x63ontext\x18\x05 \x01(\x0b\x32\x1a.dflash.internal.v1.Tensor\x12\x16\n\x0emin_confidence\x18\x06 \x01(\x01\x12\x13\n\x0btemperature\x18\x07 \x01(\x01\x12\r\n\x05top_k\x18\x08 \x01(\r\x12\r\n\x05top_p\x18\t \x01(\x01\x12\x0c\n\x04seed\x18\n \x01(\x04\"l\n\nDraftReply\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\r\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0f\n\x07rebuilt\x18\x03 \x01(\x08\x12\x10\n\x08\x64raft_ms\x18\x04 \x01(\x01\x12\x11\n\ttop_probs\x18\x05 \x03(\x02\"T\n\x0f\x44raftBatchReply\x12/\n\x07replies\x18\x01 \x03(\x0b\x32\x1e.dflash.internal.v1.DraftReply\x12\x10\n\x08\x64raft_ms\x18\x02 \x01(\x01\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0e\n\x0cReleaseReply\"\x11\n\x0f\x44\x65scribeRequest\"c\n\x0b\x44rafterInfo\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x15\n\rmask_token_id\x18\x03 \x01(\r\x12\x18\n\x10target_layer_ids\x18\x04 \x03(\r2\xda\x02\n\x07\x44rafter\x12P\n\x05\x44raft\x12%.dflash.internal.v1.DraftRequestChunk\x1a\x1e.dflash.internal.v1.DraftReply(\x01\x12Z\n\nDraftBatch\x12%.dflash.internal.v1.DraftRequestChunk\x1a#.dflash.internal.v1.DraftBatchReply(\x01\x12O\n\x07Release\x12\".dflash.internal.v1.ReleaseRequest\x1a .dflash.internal.v1.ReleaseReply\x12P\n\x08\x44\x65scribe\x12#.dflash.internal.v1.DescribeRequest\x1a\x1f.dflash.internal.v1.DrafterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$dflash/api/internal/v1/drafter.proto\x12\x12\x64\x66lash.internal.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xfd\x01\n\x11\x44raftRequestChunk\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcontext_start\x18\x02 \x01(\x04\x12\x12\n\nlast_token\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12+\n\x07\x63ontext\x18\x05 \x01(\x0b\x32\x1a.dflash.internal.v1.Tensor\x12\x16\n\x0emin_confidence\x18\x06 \x01(\x01\x12\x13\n\x0btemperature\x18\x07 \x01(\x01\x12\r\n\x05top_k\x18\x08 \x01(\r\x12\r\n\x05top_p\x18\t \x01(\x01\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x0f\n\x07restart\x18\x0b \x01(\x08\"\x85\x01\n\nDraftReply\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\r\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0f\n\x07rebuilt\x18\x03 \x01(\x08\x12\x10\n\x08\x64raft_ms\x18\x04 \x01(\x01\x12\x11\n\ttop_probs\x18\x05 \x03(\x02\x12\x17\n\x0fmissing_context\x18\x06 \x01(\x08\"T\n\x0f\x44raftBatchReply\x12/\n\x07replies\x18\x01 \x03(\x0b\x32\x1e.dflash.internal.v1.DraftReply\x12\x10\n\x08\x64raft_ms\x18\x02 \x01(\x01\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0e\n\x0cReleaseReply\"\x11\n\x0f\x44\x65scribeRequest\"c\n\x0b\x44rafterInfo\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x15\n\rmask_token_id\x18\x03 \x01(\r\x12\x18\n\x10target_layer_ids\x18\x04 \x03(\r2\xda\x02\n\x07\x44rafter\x12P\n\x05\x44raft\x12%.dflash.internal.v1.DraftRequestChunk\x1a\x1e.dflash.internal.v1.DraftReply(\x01\x12Z\n\nDraftBatch\x12%.dflash.internal.v1.DraftRequestChunk\x1a#.dflash.internal.v1.DraftBatchReply(\x01\x12O\n\x07Release\x12\".dflash.internal.v1.ReleaseRequest\x1a .dflash.internal.v1.ReleaseReply\x12P\n\x08\x44\x65scribe\x12#.dflash.internal.v1.DescribeRequest\x1a\x1f.dflash.internal.v1.DrafterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_start=60
   _globals['_TENSOR']._serialized_end=112
   _globals['_DRAFTREQUESTCHUNK']._serialized_start=115
-  _globals['_DRAFTREQUESTCHUNK']._serialized_end=351
-  _globals['_DRAFTREPLY']._serialized_start=353
-  _globals['_DRAFTREPLY']._serialized_end=461
-  _globals['_DRAFTBATCHREPLY']._serialized_start=463
-  _globals['_DRAFTBATCHREPLY']._serialized_end=547
-  _globals['_RELEASEREQUEST']._serialized_start=549
-  _globals['_RELEASEREQUEST']._serialized_end=585
-  _globals['_RELEASEREPLY']._serialized_start=587
-  _globals['_RELEASEREPLY']._serialized_end=601
-  _globals['_DESCRIBEREQUEST']._serialized_start=603
-  _globals['_DESCRIBEREQUEST']._serialized_end=620
-  _globals['_DRAFTERINFO']._serialized_start=622
-  _globals['_DRAFTERINFO']._serialized_end=721
-  _globals['_DRAFTER']._serialized_start=724
-  _globals['_DRAFTER']._serialized_end=1070
+  _globals['_DRAFTREQUESTCHUNK']._serialized_end=368
+  _globals['_DRAFTREPLY']._serialized_start=371
+  _globals['_DRAFTREPLY']._serialized_end=504
+  _globals['_DRAFTBATCHREPLY']._serialized_start=506
+  _globals['_DRAFTBATCHREPLY']._serialized_end=590
+  _globals['_RELEASEREQUEST']._serialized_start=592
+  _globals['_RELEASEREQUEST']._serialized_end=628
+  _globals['_RELEASEREPLY']._serialized_start=630
+  _globals['_RELEASEREPLY']._serialized_end=644
+  _globals['_DESCRIBEREQUEST']._serialized_start=646
+  _globals['_DESCRIBEREQUEST']._serialized_end=663
+  _globals['_DRAFTERINFO']._serialized_start=665
+  _globals['_DRAFTERINFO']._serialized_end=764
+  _globals['_DRAFTER']._serialized_start=767
+  _globals['_DRAFTER']._serialized_end=1113
 # @@protoc_insertion_point(module_scope)

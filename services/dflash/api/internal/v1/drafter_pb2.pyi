@@ -18,7 +18,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class DraftRequestChunk(_message.Message):
-    __slots__ = ("session_id", "context_start", "last_token", "block_size", "context", "min_confidence", "temperature", "top_k", "top_p", "seed")
+    __slots__ = ("session_id", "context_start", "last_token", "block_size", "context", "min_confidence", "temperature", "top_k", "top_p", "seed", "restart")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_START_FIELD_NUMBER: _ClassVar[int]
     LAST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class DraftRequestChunk(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     context_start: int
     last_token: int
@@ -39,21 +40,24 @@ class DraftRequestChunk(_message.Message):
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, session_id: _Optional[str] = ..., context_start: _Optional[int] = ..., last_token: _Optional[int] = ..., block_size: _Optional[int] = ..., context: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[float] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    restart: bool
+    def __init__(self, session_id: _Optional[str] = ..., context_start: _Optional[int] = ..., last_token: _Optional[int] = ..., block_size: _Optional[int] = ..., context: _Optional[_Union[Tensor, _Mapping]] = ..., min_confidence: _Optional[float] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., restart: _Optional[bool] = ...) -> None: ...
 
 class DraftReply(_message.Message):
-    __slots__ = ("draft_token_ids", "replica", "rebuilt", "draft_ms", "top_probs")
+    __slots__ = ("draft_token_ids", "replica", "rebuilt", "draft_ms", "top_probs", "missing_context")
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     REBUILT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     TOP_PROBS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     replica: str
     rebuilt: bool
     draft_ms: float
     top_probs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., replica: _Optional[str] = ..., rebuilt: _Optional[bool] = ..., draft_ms: _Optional[float] = ..., top_probs: _Optional[_Iterable[float]] = ...) -> None: ...
+    missing_context: bool
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., replica: _Optional[str] = ..., rebuilt: _Optional[bool] = ..., draft_ms: _Optional[float] = ..., top_probs: _Optional[_Iterable[float]] = ..., missing_context: _Optional[bool] = ...) -> None: ...
 
 class DraftBatchReply(_message.Message):
     __slots__ = ("replies", "draft_ms")
