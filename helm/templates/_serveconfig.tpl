@@ -45,8 +45,8 @@ own request counts. */}}
 {{- $v := .Values }}
 {{- $paths := include "dflash.modelPaths" . | fromJson }}
 {{- $model := dict "target" $paths.target "drafter" $paths.drafter "device" $v.model.device "dtype" $v.model.dtype "name" $v.model.name }}
-{{- $redis := dict "ttl_s" (int $v.sessions.ttlSeconds) "context_window" (int $v.sessions.contextWindow) "key_prefix" $v.sessions.keyPrefix "socket_timeout_s" (float64 $v.sessions.socketTimeoutSeconds) }}
-{{- $net := dict "port" (int $v.drafter.net.port) "timeout_s" (float64 $v.drafter.net.timeoutSeconds) "retry_after_s" (float64 $v.drafter.net.retryAfterSeconds) "chunk_bytes" (int $v.drafter.net.chunkBytes) "max_sessions" (int $v.drafter.net.maxSessions) "workers" (int $v.drafter.net.workers) }}
+{{- $redis := dict "ttl_s" (int $v.sessions.ttlSeconds) "key_prefix" $v.sessions.keyPrefix "socket_timeout_s" (float64 $v.sessions.socketTimeoutSeconds) }}
+{{- $net := dict "port" (int $v.drafter.net.port) "timeout_s" (float64 $v.drafter.net.timeoutSeconds) "retry_after_s" (float64 $v.drafter.net.retryAfterSeconds) "chunk_bytes" (int $v.drafter.net.chunkBytes) "max_sessions" (int $v.drafter.net.maxSessions) "workers" (int $v.drafter.net.workers) "context_window" (int $v.drafter.net.contextWindow) }}
 {{- $sched := $v.verifier.scheduler }}
 {{- $scheduler := dict "max_running" (int $sched.maxRunningSessions) "max_step_tokens" (int $sched.maxStepTokens) "max_queued" (int $sched.maxQueuedSessions) "cache_tokens" (int $sched.cacheTokens) "verify_policy" $sched.verifyPolicy }}
 {{- $limits := dict "max_new_tokens" (int $v.limits.maxNewTokens) "max_request_bytes" (int $v.limits.maxRequestBytes) "max_stop_strings" (int $v.limits.maxStopStrings) }}
