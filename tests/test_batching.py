@@ -16,7 +16,7 @@ from dflash.errors import InvalidRequestError
 from dflash.loading import build_engine
 from dflash.params import SamplingParams
 from dflash.scheduler import QueueFullError, SchedulerConfig
-from dflash.verify_policy import CostCurve, DraftCost, choose_drafted, choose_verify_lengths
+from dflash.verify_policy import CostCurve, DraftCost, StepCalibration, choose_drafted, choose_verify_lengths
 from tiny import char_tokenizer, engine_for, prompts, tiny_drafter, tiny_target
 
 
@@ -222,3 +222,41 @@ def test_drafting_stops_where_it_cannot_pay_and_goes_on_where_it_does():
     fair_drafter.observe(2, 8.0)
     assert choose_drafted([0.9, 0.1], [15, 15], 2, cheap_verify, fair_drafter) == [True, False]
     assert choose_drafted([0.9], [0], 1, cheap_verify, DraftCost()) == [False]  # nothing to draft (block 1)
+
+
+def test_draft_cost_past_the_largest_bucket_timed_is_optimistic():
+    """A lone session's cost extrapolated linearly would forbid ever drafting a batch (a batched drafter
+    forward costs far less than one per session): past what was timed, the largest bucket's cost is
+    assumed, so one batched call is tried and timed."""
+    cost = DraftCost()
+    cost.observe(1, 5.0)
+    assert cost(8) == 5.0
+    cheap_verify = CostCurve((1, 8, 64), (4.0, 5.0, 9.0))
+    assert all(choose_drafted([0.8] * 8, [15] * 8, 8, cheap_verify, cost))
+    cost.observe(8, 80.0)  # timed: far too slow for these sessions
+    assert not any(choose_drafted([0.8] * 8, [15] * 8, 8, cheap_verify, cost))
+
+
+def test_per_round_overhead_makes_rounds_that_commit_more_worth_more():
+    """A step whose rounds cost 10 ms each outside the forward (streaming them, say) gains more from a
+    round that commits several tokens than one whose rounds cost nothing."""
+    steep = CostCurve((1, 4, 64), (4.0, 6.0, 60.0))
+    drafter = DraftCost()
+    drafter.observe(4, 8.0)
+    assert not any(choose_drafted([0.7] * 4, [15] * 4, 4, steep, drafter))
+    assert all(choose_drafted([0.7] * 4, [15] * 4, 4, steep, drafter, fixed_ms=4 * 10.0))
+
+
+def test_step_calibration_learns_the_time_outside_draft_and_forward():
+    cal = StepCalibration(window=5)
+    assert cal.round_overhead_ms == 0.0
+    start = 100.0
+    for _ in range(5):  # each step: 2 ms drafting + 6 ms forward predicted, 18 ms from start to start
+        cal.step_started(start)
+        cal.step_ran(start, draft_ms=2.0, predicted_verify_ms=6.0, sessions=5)
+        start += 0.018
+    cal.step_started(start)
+    assert cal.round_overhead_ms == pytest.approx(2.0)  # (18 - 8) ms over 5 sessions
+    cal.idle()  # an idle wait is not a step's period
+    cal.step_started(start + 10.0)
+    assert cal.round_overhead_ms == pytest.approx(2.0)

@@ -5,13 +5,19 @@ the default values and every ci/*-values.yaml. Each rendered object is validated
 kubernetes-validate (strict), the RayService against KubeRay's CRD schema (../shared/schemas), and
 its serveConfigV2 against Ray Serve's schema and the service's own config code, which builds the
 application's deployment graph without loading any model.
+
+What KubeRay does with the rendered RayService is read from its controller code (ray-project/kuberay,
+ray-operator/controllers/ray, release 1.6, the oldest the chart supports): `kuberay_problems` restates
+the validation it applies, and each test names the controller behaviour it relies on.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -66,20 +72,54 @@ def groups(variant: str) -> dict[str, dict]:
     return {"head": cluster["headGroupSpec"], **{g["groupName"]: g for g in cluster["workerGroupSpecs"]}}
 
 
-def pod_specs(obj: dict) -> list[dict]:
-    """Every pod spec inside an object (Ray groups, StatefulSet template, bare Pod)."""
+def pod_templates(obj: dict) -> list[dict]:
+    """Every pod (metadata and spec) an object makes: Ray groups, StatefulSet and Deployment templates, a bare Pod."""
     if obj["kind"] == "Pod":
-        return [obj["spec"]]
-    if obj["kind"] == "StatefulSet":
-        return [obj["spec"]["template"]["spec"]]
+        return [obj]
+    if obj["kind"] in ("StatefulSet", "Deployment"):
+        return [obj["spec"]["template"]]
     if obj["kind"] == "RayService":
-        return [g["template"]["spec"] for g in groups_of(obj)]
+        return [g["template"] for g in groups_of(obj)]
     return []
+
+
+def pod_specs(obj: dict) -> list[dict]:
+    return [t["spec"] for t in pod_templates(obj)]
 
 
 def groups_of(rs: dict) -> list[dict]:
     cluster = rs["spec"]["rayClusterConfig"]
     return [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+
+
+def merged_values(variant: str) -> dict:
+    """values.yaml with the variant's values over it, merged as Helm merges them (null drops a key)."""
+    def merge(base: dict, over: dict) -> dict:
+        out = dict(base)
+        for key, item in over.items():
+            if item is None:
+                out.pop(key, None)
+            elif isinstance(item, dict) and isinstance(out.get(key), dict):
+                out[key] = merge(out[key], item)
+            else:
+                out[key] = item
+        return out
+
+    return merge(yaml.safe_load((CHART / "values.yaml").read_text()), variant_values(variant))
+
+
+def value(variant: str, dotted: str):
+    node = merged_values(variant)
+    for key in dotted.split("."):
+        node = node[key]
+    return node
+
+
+def public_grpc_service(variant: str) -> str:
+    """The Service clients call: KubeRay's serve Service, or with TLS the chart's Service of the TLS front."""
+    if variant_values(variant).get("tls", {}).get("enabled"):
+        return one(variant_objects(variant), "Service", "-grpc")["metadata"]["name"]
+    return rayservice(variant)["spec"]["serveService"]["metadata"]["name"]
 
 
 # --- the chart renders and lints -------------------------------------------------------------------
@@ -94,10 +134,14 @@ def test_lint_has_no_warnings(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_renders_the_expected_objects(variant):
     kinds = sorted(o["kind"] for o in variant_objects(variant))
-    internal_redis = variant_values(variant).get("redis", {}).get("mode", "internal") == "internal"
-    expected = ["NetworkPolicy", "Pod", "RayService", "Service", "ServiceAccount"]
+    internal_redis = value(variant, "redis.mode") == "internal"
+    # Ray pods' NetworkPolicy, the helm test Pod, two accounts (head, workers), a budget per worker group.
+    expected = ["NetworkPolicy", "Pod", "RayService", "ServiceAccount", "ServiceAccount",
+                "PodDisruptionBudget", "PodDisruptionBudget"]
     if internal_redis:
-        expected += ["NetworkPolicy", "Secret", "Service", "StatefulSet"]
+        expected += ["NetworkPolicy", "Secret", "Service", "StatefulSet", "PodDisruptionBudget"]
+    if value(variant, "tls.enabled"):
+        expected += ["Deployment", "Service", "NetworkPolicy", "PodDisruptionBudget"]
     assert kinds == sorted(expected)
 
 
@@ -156,6 +200,47 @@ def crd_validator():
     return cls(schema)
 
 
+def kuberay_problems(rs: dict) -> list[str]:
+    """What KubeRay's validation (utils/validation.go: ValidateRayServiceSpec, ValidateRayClusterSpec)
+    refuses in a RayService, restated for the fields this chart sets. Refused specs never get a cluster."""
+    spec, problems = rs["spec"], []
+    cluster = spec["rayClusterConfig"]
+    autoscaling = cluster.get("enableInTreeAutoscaling", False)
+    v2 = autoscaling and (cluster.get("autoscalerOptions") or {}).get("version") == "v2"
+    head = cluster["headGroupSpec"]
+    head_env = {e["name"] for e in head["template"]["spec"]["containers"][0].get("env", [])}
+    if v2 and head["template"]["spec"].get("restartPolicy", "Never") != "Never":
+        problems.append("head: autoscaler v2 needs restartPolicy Never or unset")
+    for group in cluster["workerGroupSpecs"]:
+        name = group["groupName"]
+        if not autoscaling and ("minReplicas" not in group or "maxReplicas" not in group):
+            problems.append(f"{name}: min and max replicas are required without the autoscaler")
+        if group.get("minReplicas", 0) > group.get("maxReplicas", float("inf")):
+            problems.append(f"{name}: minReplicas above maxReplicas")
+        if "idleTimeoutSeconds" in group and not v2:
+            problems.append(f"{name}: idleTimeoutSeconds is set, but autoscaler v2 is not enabled")
+        if v2 and group["template"]["spec"].get("restartPolicy", "Never") != "Never":
+            problems.append(f"{name}: autoscaler v2 needs restartPolicy Never or unset")
+    if "gcsFaultToleranceOptions" in cluster:
+        if "redis-password" in head["rayStartParams"]:
+            problems.append("head: redis-password in rayStartParams with gcsFaultToleranceOptions")
+        problems += [f"head: {var} env var with gcsFaultToleranceOptions"
+                     for var in ("REDIS_PASSWORD", "RAY_REDIS_ADDRESS") if var in head_env]
+    elif "RAY_REDIS_ADDRESS" in head_env:
+        problems.append("head: RAY_REDIS_ADDRESS without gcsFaultToleranceOptions")
+    if "REDIS_USERNAME" in head_env or "redis-username" in head["rayStartParams"]:
+        problems.append("head: a Redis username outside gcsFaultToleranceOptions")
+    upgrade = (spec.get("upgradeStrategy") or {}).get("type")
+    if upgrade not in (None, "NewCluster", "None", "NewClusterWithIncrementalUpgrade"):
+        problems.append(f"upgradeStrategy.type {upgrade} is not one KubeRay knows")
+    return problems
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kuberay_accepts_the_rayservice(variant):
+    assert kuberay_problems(rayservice(variant)) == []
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_serve_config_passes_ray_serve_schema(variant):
     from ray.serve.schema import ServeDeploySchema
@@ -175,6 +260,23 @@ def build_graph(app: dict):
     return build_app(call_user_app_builder_with_args_if_necessary(builder, app["args"]), name=app["name"])
 
 
+def deployed(app: dict) -> dict:
+    """Deployment name -> DeploymentInfo as Serve's controller deploys it: the graph `args` builds, then
+    the config's `deployments:` overrides applied by Serve's own override_deployment_info."""
+    from ray.serve._private.application_state import override_deployment_info
+    from ray.serve._private.config import ReplicaConfig
+    from ray.serve._private.deployment_info import DeploymentInfo
+    from ray.serve.schema import ServeApplicationSchema
+
+    infos = {}
+    for dep in build_graph(app).deployments:
+        # The controller receives replica configs serialized; here the bound handles in their init args
+        # would need a running Serve to copy, and overrides never touch them, so keep the actor options only.
+        replica = ReplicaConfig.create(dep.func_or_class, ray_actor_options=dep.ray_actor_options)
+        infos[dep.name] = DeploymentInfo(dep._deployment_config, replica, start_time_ms=0, deployer_job_id="")
+    return override_deployment_info(infos, ServeApplicationSchema.model_validate(app))
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_service_config_builds_the_deployment_graph(variant):
     from dflash.service.config import ServiceConfig
@@ -183,28 +285,26 @@ def test_service_config_builds_the_deployment_graph(variant):
     (app,) = config["applications"]
     service = ServiceConfig.from_dict(app["args"])
     built = build_graph(app)
-    deployments = {d.name: d for d in built.deployments}
     expected = {"ingress", "verifier"} | ({"drafter"} if service.mode == "disaggregated" else set())
-    assert set(deployments) == expected
+    assert {d.name for d in built.deployments} == expected
     assert built.ingress_deployment_name == "ingress"
     assert config["grpc_options"]["port"] == service.grpc_port
 
-    # Each worker group offers one custom resource; only its own deployment asks for it.
-    offered = {name: ray_resources(g) for name, g in groups(variant).items()}
-    assert offered["head"] == {}
-    for name, dep in deployments.items():
-        asked = dep.ray_actor_options.get("resources", {})
-        if name == "ingress":
-            assert asked == {}, "the ingress runs on the head, which offers no custom resource"
-            continue
-        (resource,) = asked
-        assert offered[name] == {resource: offered[name][resource]}, f"{name} must land on its own group"
-        group = groups(variant)[name]
-        gpus = float(group["rayStartParams"]["num-gpus"])
-        replicas = offered[name][resource] / asked[resource]
-        assert dep.ray_actor_options.get("num_gpus", 0) * replicas <= gpus
-        auto = dep._deployment_config.autoscaling_config
-        assert auto is not None and auto.min_replicas <= auto.max_replicas
+    # Each group offers one custom resource; only its own deployment asks for it, and every replica Serve
+    # may want fits the pods the group may have.
+    g = groups(variant)
+    offered = {name: ray_resources(group) for name, group in g.items()}
+    for name, info in deployed(app).items():
+        group = "head" if name == "ingress" else name
+        options = info.replica_config.ray_actor_options
+        (resource,) = options.get("resources", {})
+        assert offered[group] == {resource: offered[group][resource]}, f"{name} must land on its own group"
+        assert not [other for other, res in offered.items() if resource in res and other != group]
+        per_pod = offered[group][resource] / options["resources"][resource]
+        assert options.get("num_gpus", 0) * per_pod <= float(g[group]["rayStartParams"]["num-gpus"])
+        auto = info.deployment_config.autoscaling_config
+        pods = 1 if group == "head" else g[group]["maxReplicas"]
+        assert auto is not None and auto.min_replicas <= auto.max_replicas <= per_pod * pods
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -215,19 +315,69 @@ def test_autoscaling_configs_are_rays_own(variant):
 
     from dflash.service.autoscaling import POLICY_FUNCTION
 
-    args = serve_config(variant)["applications"][0]["args"]
+    overrides = {d["name"]: d for d in serve_config(variant)["applications"][0]["deployments"]}
     for name in ("ingress", "verifier", "drafter"):
-        raw = args[name]["autoscaling_config"]
+        raw = overrides[name]["autoscaling_config"]
         assert set(raw) <= set(AutoscalingConfig.model_fields), f"{name}: {sorted(raw)}"
         auto = AutoscalingConfig.model_validate(raw)
         if name != "drafter":
             assert auto.policy.is_default_policy_function()
-    defaults = yaml.safe_load((CHART / "values.yaml").read_text())["drafter"]["autoscaling"]
-    wanted = {**defaults, **variant_values(variant).get("drafter", {}).get("autoscaling", {})}
+    wanted = value(variant, "drafter.autoscaling")
     assert auto.policy.policy_function == POLICY_FUNCTION
     policy = auto.policy.get_policy()(**auto.policy.policy_kwargs)
     assert policy.target_inflight_drafts == wanted["targetInflightDrafts"]
     assert (auto.upscale_delay_s, auto.downscale_delay_s) == (wanted["upscaleDelaySeconds"], wanted["downscaleDelaySeconds"])
+
+
+SERVE_TWEAKS = {
+    "ingress": {"maxOngoingRequests": 32, "autoscaling": {"maxReplicas": 3, "targetOngoingRequests": 16}},
+    "verifier": {"cpusPerReplica": 3, "maxQueuedRequests": 8, "autoscaling": {"minReplicas": 2, "maxReplicas": 3}},
+    "drafter": {"maxOngoingRequests": 8, "autoscaling": {"maxReplicas": 6, "upscaleDelaySeconds": 10}},
+}
+
+
+def app_config(values: dict) -> dict:
+    (app,) = yaml.safe_load(one(objects(render(values)), "RayService")["spec"]["serveConfigV2"])["applications"]
+    return app
+
+
+def test_serve_options_are_overrides_that_keep_the_code_version():
+    """Serve restarts every replica of an application whose code version changes, and the code version
+    hashes the import path, `args` and the autoscaling policies (deploy_utils.get_app_code_version), not
+    the deployments' other options. Replicas, limits and actor options therefore travel as `deployments:`
+    overrides: tuning them restarts no verifier (only changed actor options restart that deployment)."""
+    from ray.serve._private.deploy_utils import get_app_code_version
+    from ray.serve.schema import ServeApplicationSchema
+
+    def version(app: dict) -> str:
+        return get_app_code_version(ServeApplicationSchema.model_validate(app))
+
+    before, after = app_config({}), app_config(SERVE_TWEAKS)
+    assert after["args"] == before["args"] and after["deployments"] != before["deployments"]
+    assert version(after) == version(before)
+    effective = deployed(after)
+    verifier = effective["verifier"]
+    assert (verifier.deployment_config.autoscaling_config.min_replicas,
+            verifier.deployment_config.autoscaling_config.max_replicas) == (2, 3)
+    assert verifier.replica_config.ray_actor_options["num_cpus"] == 3
+    assert verifier.deployment_config.max_queued_requests == 8
+    assert effective["ingress"].deployment_config.max_ongoing_requests == 32
+    assert effective["drafter"].deployment_config.autoscaling_config.upscale_delay_s == 10
+    # The application's own settings are its code: changing them restarts it, as it must.
+    assert version(app_config({"limits": {"maxNewTokens": 512}})) != version(before)
+    # So is a policy's argument (Serve hashes the policy): documented in values.yaml and docs/kubernetes.md.
+    assert version(app_config({"drafter": {"autoscaling": {"targetInflightDrafts": 3}}})) != version(before)
+
+
+def test_args_stay_the_applications_own_configuration():
+    """`args` is the service's ServiceConfig tree minus the deployments (their options are overrides):
+    the same tree `dflash serve` reads, so the local service and the chart share one config code."""
+    from dflash.service.config import ServiceConfig
+
+    args = app_config({})["args"]
+    assert not {"ingress", "verifier", "drafter"} & set(args)
+    tree = ServiceConfig.from_dict(args).to_dict()
+    assert {k: v for k, v in tree.items() if k in args} == {k: tree[k] for k in args}
 
 
 def test_colocated_mode_has_no_drafter_group():
@@ -238,7 +388,9 @@ def test_colocated_mode_has_no_drafter_group():
     assert [g["groupName"] for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]] == ["verifier"]
     (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
     assert ServiceConfig.from_dict(app["args"]).mode == "colocated"
-    assert {d.name for d in build_graph(app).deployments} == {"ingress", "verifier"}
+    assert set(deployed(app)) == {"ingress", "verifier"}
+    budgets = [o["metadata"]["name"] for o in objs if o["kind"] == "PodDisruptionBudget"]
+    assert budgets == ["dflash-verifier", "dflash-redis"]
 
 
 def ray_resources(group: dict) -> dict:
@@ -267,6 +419,12 @@ def test_grpc_servicers_are_the_services():
         assert callable(import_attr(function))
 
 
+def dflash_env(container: dict) -> dict:
+    """The container's DFLASH_* variables; values from Secrets are stand-ins."""
+    return {e["name"]: e.get("value", "from-a-secret")
+            for e in container.get("env", []) if e["name"].startswith("DFLASH_")}
+
+
 def test_secrets_and_per_pod_values_reach_the_service_config():
     """The DFLASH_* variables on the Ray containers (secrets, the pod's address) are keys the
     service's config accepts; secret values are stand-ins here."""
@@ -274,9 +432,7 @@ def test_secrets_and_per_pod_values_reach_the_service_config():
 
     for variant in VARIANTS:
         for group in groups(variant).values():
-            env = {e["name"]: e.get("value", "from-a-secret") for e in group["template"]["spec"]["containers"][0]["env"]}
-            dflash_env = {k: v for k, v in env.items() if k.startswith("DFLASH_")}
-            config = load_config(env=dflash_env)
+            config = load_config(env=dflash_env(group["template"]["spec"]["containers"][0]))
             assert config.redis.url and config.drafter_net.host == "$(POD_IP)"
 
 
@@ -307,49 +463,334 @@ def test_gpu_split(variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_grpc_port_is_exposed_as_serve_grpc(variant):
-    rs = rayservice(variant)
-    port = serve_config(variant)["grpc_options"]["port"]
+def test_the_head_hosts_the_ingress_and_nothing_else(variant):
+    """`num-cpus: "0"` keeps every CPU-asking task and actor off the head; the ingress asks for no CPU but
+    for a resource only the head offers, so it never lands on a GPU pod, where it would keep that pod
+    busy and stop Ray's autoscaler from removing it."""
+    head = groups(variant)["head"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    ingress = deployed(serve_config(variant)["applications"][0])["ingress"].replica_config.ray_actor_options
+    assert ingress.get("num_cpus") == 0 and ingress.get("num_gpus", 0) == 0
+    assert set(ingress["resources"]) == set(ray_resources(head)) == {value(variant, "ingress.rayResource")}
+    assert ray_resources(head)[value(variant, "ingress.rayResource")] == value(variant, "head.maxIngressReplicas")
+
+
+# 1. The autoscaler's API token ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_only_the_autoscaler_gets_an_api_token(variant):
+    """KubeRay binds its autoscaler Role (pods get/list/watch/patch, rayclusters get/patch) to the head
+    pod's service account, and refuses a head that names an account which does not exist
+    (common/rbac.go, RayClusterReconciler.reconcileAutoscaler*). Ray's autoscaler reads the token and CA
+    at the in-cluster paths (kuberay/node_provider.py, reread every minute). The chart gives the head an
+    account of its own and projects that account's token into the autoscaler container only: no Ray
+    process, and no worker, holds a token."""
+    from ray.autoscaler._private.kuberay import node_provider
+
+    objs = variant_objects(variant)
+    cluster = one(objs, "RayService")["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]["template"]["spec"]
+    accounts = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ServiceAccount"}
+    assert head["serviceAccountName"] in accounts
+    assert all(a["automountServiceAccountToken"] is False for a in accounts.values())
+    for obj in objs:
+        for template in pod_templates(obj):
+            assert template["spec"]["automountServiceAccountToken"] is False
+            if template["spec"] is not head:
+                assert template["spec"]["serviceAccountName"] != head["serviceAccountName"]
+    token_dir = os.path.dirname(node_provider.IN_CLUSTER_TOKEN_PATH)
+    assert os.path.dirname(node_provider.IN_CLUSTER_CA_CERT_PATH) == token_dir
+    (mount,) = [m for m in cluster["autoscalerOptions"]["volumeMounts"] if m["mountPath"] == token_dir]
+    assert mount["readOnly"] is True
+    sources = {v["name"]: v for v in head["volumes"]}[mount["name"]]["projected"]["sources"]
+    files = {s["serviceAccountToken"]["path"] for s in sources if "serviceAccountToken" in s}
+    files |= {i["path"] for s in sources for kind in ("configMap", "downwardAPI")
+              for i in s.get(kind, {}).get("items", [])}
+    wanted = {node_provider.IN_CLUSTER_TOKEN_PATH, node_provider.IN_CLUSTER_CA_CERT_PATH}
+    assert {os.path.basename(path) for path in wanted} <= files
+    for obj in objs:
+        for spec in pod_specs(obj):
+            for c in spec.get("initContainers", []) + spec["containers"]:
+                assert not [m for m in c.get("volumeMounts", []) if m["name"] == mount["name"]
+                            or m["mountPath"].startswith("/var/run/secrets")], f"{c['name']} holds an API token"
+    assert not [o for o in objs if o["kind"] in ("Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")], \
+        "KubeRay creates the autoscaler's Role and RoleBinding itself, per cluster"
+
+
+def test_without_the_autoscaler_no_pod_gets_a_token():
+    rs = one(objects(render({"autoscaler": {"enabled": False}})), "RayService")
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert "autoscalerOptions" not in rs["spec"]["rayClusterConfig"]
+    assert not [v for v in head["volumes"] if "projected" in v]
+
+
+# 2. The operator reaches the dashboard and the Serve proxy --------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_operator_reaches_the_dashboard_and_the_serve_proxy(variant):
+    """KubeRay reads Serve's applications from the head's dashboard (8265) and checks the Serve proxy's
+    health on 8000 at the head pod's IP (RayServiceReconciler.updateHeadPodServeLabel): a head whose
+    proxy it cannot reach never gets ray.io/serve=true and never serves."""
+    operator = value(variant, "networkPolicy.operator")
+    ray = one(variant_objects(variant), "NetworkPolicy", "-ray")
+    (rule,) = [r for r in ray["spec"]["ingress"] if {p["port"] for p in r.get("ports", [])} & {8000, 8265}]
+    assert sorted(p["port"] for p in rule["ports"]) == [8000, 8265]
+    (peer,) = rule["from"]
+    assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": operator["namespace"]}
+    assert peer["podSelector"]["matchLabels"] == operator["podLabels"]
+
+
+def test_the_operator_namespace_defaults_to_where_kuberay_installs_it():
+    """KubeRay's Helm chart installs into the release namespace, and its README installs into `default`;
+    its kustomize install (ray-operator/config/default) uses `default` too. Both label the operator's
+    pods app.kubernetes.io/component: kuberay-operator."""
+    operator = yaml.safe_load((CHART / "values.yaml").read_text())["networkPolicy"]["operator"]
+    assert operator == {"namespace": "default", "podLabels": {"app.kubernetes.io/component": "kuberay-operator"}}
+    peer = one(objects(render({"networkPolicy": {"operator": {"podLabels": None}}})), "NetworkPolicy", "-ray")
+    (rule,) = [r for r in peer["spec"]["ingress"] if {p["port"] for p in r.get("ports", [])} == {8000, 8265}]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "default"}}}]
+
+
+# 3. gRPC goes to the cluster that serves ----------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_grpc_reaches_only_the_serving_cluster(variant):
+    """During an upgrade two RayClusters run. KubeRay moves its serve Service (selector ray.io/cluster and
+    ray.io/serve) to the new cluster only once its applications run, while the new head is labelled
+    ray.io/serve=true as soon as its proxy answers. Since KubeRay 1.6 that Service carries every head port
+    named "serve" or "serve-*" (common/service.go, BuildServeService). So the chart names only the gRPC
+    port that way and makes that Service the public endpoint (spec.serveService); with TLS, the TLS front
+    Deployment forwards to it. No Service of the chart selects Ray pods."""
+    objs = variant_objects(variant)
+    rs = one(objs, "RayService")
+    grpc_port = serve_config(variant)["grpc_options"]["port"]
     for group in groups_of(rs):
         ports = {p["name"]: p["containerPort"] for p in group["template"]["spec"]["containers"][0]["ports"]}
-        assert ports["serve-grpc"] == port
-    # KubeRay's serve Service keeps only the HTTP port named "serve": the chart's own Service carries gRPC
-    # to the Ray pods whose proxy KubeRay marked healthy.
-    svc = one(variant_objects(variant), "Service", "-grpc")
-    (svc_port,) = svc["spec"]["ports"]
-    tls = variant_values(variant).get("tls", {})
-    public = ("grpc-tls", "grpc-tls", tls.get("port", 9443)) if tls.get("enabled") else ("serve-grpc", "serve-grpc", port)
-    assert (svc_port["name"], svc_port["targetPort"], svc_port["port"]) == public  # TLS: test_tls_sidecar_*
-    ray_labels = groups(variant)["head"]["template"]["metadata"]["labels"]
-    selector = dict(svc["spec"]["selector"])
-    assert selector.pop("ray.io/serve") == "true"
-    assert selector.items() <= ray_labels.items()
-    assert rs["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+        assert ports["serve-grpc"] == grpc_port
+        assert {name for name in ports if name == "serve" or name.startswith("serve-")} == {"serve-grpc"}
+    for svc in (o for o in objs if o["kind"] == "Service"):
+        assert "ray.io/serve" not in svc["spec"]["selector"]
+        assert svc["spec"]["selector"].get("app.kubernetes.io/component") != "ray"
+    serve = rs["spec"]["serveService"]
+    (port,) = serve["spec"]["ports"]
+    assert (port["name"], port["port"], port["targetPort"]) == ("serve-grpc", grpc_port, "serve-grpc")
+    if value(variant, "tls.enabled"):
+        front = one(objs, "Deployment", "-tls-front")["spec"]["template"]["spec"]["containers"][0]
+        assert f"--upstream={serve['metadata']['name']}:{grpc_port}" in front["args"]
+        assert serve["spec"]["type"] == "ClusterIP" and serve["metadata"]["name"] != public_grpc_service(variant)
+    else:
+        assert serve["metadata"]["name"] == public_grpc_service(variant) == "dflash-grpc"
+        assert serve["spec"]["type"] == value(variant, "grpc.serviceType") and port["appProtocol"] == "grpc"
+    assert len(serve["metadata"]["name"]) <= 63
 
 
-def test_tls_sidecar_serves_the_public_port():
-    """tls.enabled: a tls-front sidecar in the head pod only, the Secret mounted read-only, the Service and
-    the helm test pod on its port; the sidecar's command line is one `dflash` parses."""
+# 4. Upgrades: what replaces the GPU cluster --------------------------------------------------------------
+
+def test_a_chart_version_bump_keeps_the_ray_cluster(tmp_path):
+    """KubeRay hashes spec.rayClusterConfig (replica counts aside) and prepares a whole new RayCluster when
+    the hash changes (rayservice_controller.go, shouldPrepareNewCluster): a chart label in a pod template
+    would make every chart release a second full GPU cluster."""
+    chart = tmp_path / "dflash"
+    shutil.copytree(CHART, chart)
+    meta = yaml.safe_load((chart / "Chart.yaml").read_text())
+    (chart / "Chart.yaml").write_text(yaml.safe_dump({**meta, "version": "9.9.9"}))
+
+    def cluster(path: Path) -> dict:
+        with helm.Chart.load(str(path)) as c:
+            rendered = c.render({}, name="dflash", namespace="dflash", is_install=True)
+        return one(objects(rendered), "RayService")["spec"]["rayClusterConfig"]
+
+    assert cluster(chart) == cluster(CHART)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pod_templates_carry_no_chart_version(variant):
+    for obj in variant_objects(variant):
+        if obj["kind"] == "Pod":  # the helm test pod is created per test run
+            continue
+        for template in pod_templates(obj):
+            labels = template["metadata"]["labels"]
+            assert not {"helm.sh/chart", "app.kubernetes.io/version"} & set(labels), obj["metadata"]["name"]
+            assert labels["app.kubernetes.io/instance"] == "dflash"
+
+
+@pytest.mark.parametrize("strategy", ["NewCluster", "None"])
+def test_upgrade_strategy(strategy):
+    rs = one(objects(render({"upgradeStrategy": strategy})), "RayService")
+    assert rs["spec"]["upgradeStrategy"] == {"type": strategy}
+    assert kuberay_problems(rs) == []
+    assert rayservice("default")["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
+
+
+# 6. A GPU pod never runs on the CPU -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pods_with_gpus_stop_at_start_when_cuda_is_unusable(variant, monkeypatch):
+    """`model.device: auto` means cuda on pods that requested GPUs (the chart sets DFLASH_MODEL__DEVICE
+    there), so a node driver too old for the image's torch stops the replica with a message naming both,
+    instead of it running on the CPU while holding the GPU. There is no GPU here: the CUDA probe is faked."""
+    import torch
+
+    from dflash import loading
+    from dflash.errors import DFlashError
+    from dflash.service.config import load_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(loading, "nvidia_driver_version", lambda: "470.82.01")
+    args = serve_config(variant)["applications"][0]["args"]
+    for name, group in groups(variant).items():
+        container = group["template"]["spec"]["containers"][0]
+        device = load_config(env=dflash_env(container), base=args).model.device
+        if container["resources"].get("limits", {}).get("nvidia.com/gpu"):
+            assert device == "cuda", name
+            with pytest.raises(DFlashError, match=r"CUDA 12\.8.*525\.60\.13.*470\.82\.01"):
+                loading.resolve_device(device)
+        else:
+            assert device == value(variant, "model.device") and loading.resolve_device(device).type == "cpu"
+
+
+# 7. Group idle timeouts need autoscaler v2 ------------------------------------------------------------------
+
+@pytest.mark.parametrize(("autoscaler", "per_group"), [({"version": "v2"}, True), ({"version": "v1"}, False),
+                                                       ({"enabled": False}, False)], ids=["v2", "v1", "off"])
+def test_group_idle_timeouts_only_with_autoscaler_v2(autoscaler, per_group):
+    """KubeRay refuses a worker group's idleTimeoutSeconds unless autoscaler v2 is on (validation.go)."""
+    rs = one(objects(render({"autoscaler": autoscaler})), "RayService")
+    assert kuberay_problems(rs) == []
+    for group in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        assert ("idleTimeoutSeconds" in group) is per_group
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+
+
+# 8. Disruptions: budgets, GCS fault tolerance, the model cache -------------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_disruption_budgets(variant):
+    """One budget per worker group, Redis and the TLS front, each selecting exactly its own pods. KubeRay's
+    RayCluster has no scale subresource, so for Ray pods Kubernetes honours only an integer minAvailable
+    (not maxUnavailable); the default keeps each group's minReplicas through drains."""
+    objs = variant_objects(variant)
+    pods = {role: groups(variant)[role]["template"]["metadata"]["labels"] for role in ("verifier", "drafter")}
+    if value(variant, "redis.mode") == "internal":
+        pods["redis"] = one(objs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    if value(variant, "tls.enabled"):
+        pods["tls-front"] = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    covered = {}
+    for budget in (o for o in objs if o["kind"] == "PodDisruptionBudget"):
+        selector = budget["spec"]["selector"]["matchLabels"]
+        (name,) = [n for n, labels in pods.items() if selector.items() <= labels.items()]
+        covered[name] = budget["spec"]
+    assert set(covered) == set(pods)
+    for role in ("verifier", "drafter"):
+        assert covered[role]["minAvailable"] == value(variant, f"{role}.pods.minReplicas")
+        assert "maxUnavailable" not in covered[role] and covered[role]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gcs_state_lives_in_redis(variant):
+    """With gcsFaultToleranceOptions the head keeps the cluster's state in Redis: a restarted head resumes
+    it and the worker pods (the GPUs, the loaded models) keep serving meanwhile."""
+    objs = variant_objects(variant)
+    rs = one(objs, "RayService")
+    options = rs["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    if value(variant, "redis.mode") == "internal":
+        assert options["redisAddress"] == f"{one(objs, 'Service', '-redis')['metadata']['name']}:6379"
+        assert options["redisPassword"]["valueFrom"]["secretKeyRef"] == {
+            "name": one(objs, "Secret")["metadata"]["name"], "key": value(variant, "redis.auth.key")}
+    else:
+        external = value(variant, "gcsFaultTolerance.external")
+        assert options["redisAddress"] == external["address"]
+        assert options["redisPassword"]["valueFrom"]["secretKeyRef"]["name"] == external["passwordSecret"]["name"]
+    assert kuberay_problems(rs) == []
+
+
+def test_gcs_fault_tolerance_can_be_turned_off():
+    rs = one(objects(render({"gcsFaultTolerance": {"enabled": False}})), "RayService")
+    assert "gcsFaultToleranceOptions" not in rs["spec"]["rayClusterConfig"]
+
+
+def quantity(text) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    match = re.fullmatch(r"([\d.]+)([A-Za-z]*)", str(text))
+    return float(match.group(1)) * units.get(match.group(2), 1)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_downloaded_models_are_kept_or_their_disk_is_requested(variant):
+    """A hub download lands on a persistent claim (a replaced pod finds the files), or on an emptyDir
+    whose size the pod requests as ephemeral storage, so the scheduler places it where the disk is."""
+    for role in ("verifier", "drafter"):
+        spec = groups(variant)[role]["template"]["spec"]
+        models = {v["name"]: v for v in spec["volumes"]}.get("models", {})
+        requests = spec["containers"][0]["resources"]["requests"]
+        if "emptyDir" in models:
+            assert quantity(requests["ephemeral-storage"]) >= quantity(models["emptyDir"]["sizeLimit"])
+        else:
+            assert "ephemeral-storage" not in requests
+
+
+def test_the_chart_can_create_the_model_cache_claim():
+    objs = objects(render({"model": {"hub": {"cache": {"create": True, "storageClass": "nfs", "size": "100Gi"}}}}))
+    pvc = one(objs, "PersistentVolumeClaim")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"] and pvc["spec"]["storageClassName"] == "nfs"
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep", "uninstall keeps the downloads"
+    for group in one(objs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        volumes = {v["name"]: v for v in group["template"]["spec"]["volumes"]}
+        assert volumes["models"]["persistentVolumeClaim"] == {"claimName": pvc["metadata"]["name"]}
+
+
+# Minor: the images KubeRay starts, the files the values name ---------------------------------------------
+
+def test_ray_stays_on_path_in_a_login_shell():
+    """KubeRay starts Ray with `bash -lc` when the operator runs with ENABLE_LOGIN_SHELL=true
+    (utils.GetContainerCommand); Debian's /etc/profile then resets PATH, so each image puts its
+    virtualenv back on it from /etc/profile.d."""
+    for dockerfile in sorted((REPO / "docker").glob("Dockerfile.*")):
+        runtime = re.sub(r"\\\n", " ", dockerfile.read_text().split(" AS runtime", 1)[1])
+        profile = [line for line in runtime.splitlines() if line.startswith("RUN") and "/etc/profile.d/" in line]
+        assert [line for line in profile if "/opt/venv/bin" in line], \
+            f"{dockerfile.name}: no /etc/profile.d script puts the venv on PATH"
+
+
+def test_files_the_values_point_to_exist():
+    text = (CHART / "values.yaml").read_text() + (CHART / "Chart.yaml").read_text()
+    paths = set(re.findall(r"\b((?:docker|docs|helm|k8s)/[\w./-]*\w)", text))
+    assert "docker/README.md" in paths
+    assert [p for p in paths if not (REPO / p).exists()] == []
+
+
+# --- TLS, names, labels, security, Redis, models ------------------------------------------------------
+
+def test_tls_front_serves_the_public_port():
+    """tls.enabled: a tls-front Deployment (same image) serves the TLS port with the Secret mounted
+    read-only and forwards to KubeRay's serve Service; the public Service and the helm test pod use its
+    port; its command line is one `dflash` parses. No Ray pod carries a sidecar."""
     from dflash.cli import build_parser
 
     values = variant_values("tls")
     objs = variant_objects("tls")
-    g = groups("tls")
-    head = g["head"]["template"]["spec"]
-    ray, sidecar = head["containers"]
-    assert ray["name"] == "ray-head" and sidecar["name"] == "tls-front" and sidecar["image"] == ray["image"]
-    assert all(len(g[role]["template"]["spec"]["containers"]) == 1 for role in ("verifier", "drafter"))
-    args = build_parser().parse_args(sidecar["command"][1:] + sidecar["args"])
+    rs = one(objs, "RayService")
+    assert all(len(g["template"]["spec"]["containers"]) == 1 for g in groups_of(rs))
+    deployment = one(objs, "Deployment", "-tls-front")
+    assert deployment["spec"]["replicas"] == value("tls", "tls.replicas") >= 2
+    spec = deployment["spec"]["template"]["spec"]
+    (front,) = spec["containers"]
+    assert front["image"] == groups("tls")["head"]["template"]["spec"]["containers"][0]["image"]
+    args = build_parser().parse_args(front["command"][1:] + front["args"])
     grpc_port = serve_config("tls")["grpc_options"]["port"]
-    assert (args.listen, args.upstream) == ("0.0.0.0:9443", f"127.0.0.1:{grpc_port}") and not args.client_ca
-    assert {p["name"]: p["containerPort"] for p in sidecar["ports"]} == {"grpc-tls": 9443}
-    (mount,) = sidecar["volumeMounts"]
+    upstream = f"{rs['spec']['serveService']['metadata']['name']}:{grpc_port}"
+    assert (args.listen, args.upstream) == ("0.0.0.0:9443", upstream) and not args.client_ca
+    assert {p["name"]: p["containerPort"] for p in front["ports"]} == {"grpc-tls": 9443}
+    (mount,) = front["volumeMounts"]
     assert mount["readOnly"] is True and args.cert == f"{mount['mountPath']}/tls.crt" and args.key == f"{mount['mountPath']}/tls.key"
-    volume = {v["name"]: v for v in head["volumes"]}[mount["name"]]
+    volume = {v["name"]: v for v in spec["volumes"]}[mount["name"]]
     assert volume["secret"]["secretName"] == values["tls"]["existingSecret"] == "dflash-tls"
-    assert not any(m["name"] == mount["name"] for m in ray["volumeMounts"]), "only the sidecar reads the key"
     svc = one(objs, "Service", "-grpc")
-    assert svc["spec"]["selector"]["dflash.dev/role"] == "head" == g["head"]["template"]["metadata"]["labels"]["dflash.dev/role"]
+    assert svc["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert svc["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    (port,) = svc["spec"]["ports"]
+    assert (port["name"], port["port"], port["targetPort"]) == ("grpc-tls", 9443, "grpc-tls")
     env = env_of(one(objs, "Pod")["spec"]["containers"][0])
     assert env["TARGET"]["value"] == f"{svc['metadata']['name']}:9443" and env["TLS_SERVER_NAME"]["value"] == "dflash.example.com"
     notes = render(values)["dflash/templates/NOTES.txt"]
@@ -357,17 +798,19 @@ def test_tls_sidecar_serves_the_public_port():
 
 
 def test_tls_client_auth_passes_the_secrets_ca():
-    rs = one(objects(render({"tls": {"enabled": True, "existingSecret": "t", "clientAuth": True, "port": 8443}})), "RayService")
-    sidecar = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][1]
-    assert "--client-ca=/etc/dflash/tls/ca.crt" in sidecar["args"] and "--listen=0.0.0.0:8443" in sidecar["args"]
+    objs = objects(render({"tls": {"enabled": True, "existingSecret": "t", "clientAuth": True, "port": 8443}}))
+    (front,) = one(objs, "Deployment", "-tls-front")["spec"]["template"]["spec"]["containers"]
+    assert "--client-ca=/etc/dflash/tls/ca.crt" in front["args"] and "--listen=0.0.0.0:8443" in front["args"]
 
 
 def test_names_fit_kuberay_limits():
     long_release = "a-very-long-release-name-for-a-customer-cluster-prod"
     objs = objects(render({}, release=long_release))
-    name = one(objs, "RayService")["metadata"]["name"]
+    rs = one(objs, "RayService")
+    name = rs["metadata"]["name"]
     assert len(name) <= 47 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name)
     assert len(name + "-serve-svc") <= 63  # the Service KubeRay derives from it
+    assert len(rs["spec"]["serveService"]["metadata"]["name"]) <= 63
     assert all(len(o["metadata"]["name"]) <= 63 for o in objs)
 
 
@@ -415,12 +858,14 @@ def test_redis(variant):
     assert "ping" in " ".join(container["readinessProbe"]["exec"]["command"])
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     assert {"name": "data", "mountPath": "/data"} in container["volumeMounts"]
-    assert env["DFLASH_REDIS__URL"]["value"].startswith("redis://:$(REDIS_PASSWORD)@")
+    secret = env["SESSIONS_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert secret["name"] == one(objs, "Secret")["metadata"]["name"]
+    assert env["DFLASH_REDIS__URL"]["value"].startswith("redis://:$(SESSIONS_REDIS_PASSWORD)@")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_model_sources(variant):
-    source = variant_values(variant).get("model", {}).get("source", "hub")
+    source = value(variant, "model.source")
     args = serve_config(variant)["applications"][0]["args"]["model"]
     for role in ("verifier", "drafter"):
         spec = groups(variant)[role]["template"]["spec"]
@@ -429,6 +874,9 @@ def test_model_sources(variant):
             (init,) = spec["initContainers"]
             assert args["target"] == "/models/target" and args["drafter"] == "/models/drafter"
             assert "snapshot_download" in init["args"][0]
+            claim = value(variant, "model.hub.cache.claimName")
+            if claim:
+                assert volumes["models"]["persistentVolumeClaim"] == {"claimName": claim}
             if variant == "gpu-split":
                 assert env_of(init)["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
         elif source == "pvc":
@@ -457,11 +905,20 @@ def test_otel_and_auth_env(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_network_policies(variant):
+    """Clients reach one port: the Ray pods' gRPC port, or with TLS only the TLS front's port (the Ray
+    pods' gRPC port then admits the front alone). Only Ray pods reach Redis."""
     objs = variant_objects(variant)
     ray = one(objs, "NetworkPolicy", "-ray")
-    open_rules = [r for r in ray["spec"]["ingress"] if "from" not in r]
-    public = "grpc-tls" if variant_values(variant).get("tls", {}).get("enabled") else "serve-grpc"
-    assert open_rules == [{"ports": [{"port": public, "protocol": "TCP"}]}], "only gRPC is open to all"
+    ray_open = [r for r in ray["spec"]["ingress"] if "from" not in r]
+    if value(variant, "tls.enabled"):
+        front = one(objs, "NetworkPolicy", "-tls-front")
+        assert [r for r in front["spec"]["ingress"] if "from" not in r] == [{"ports": [{"port": "grpc-tls", "protocol": "TCP"}]}]
+        assert ray_open == []
+        (rule,) = [r for r in ray["spec"]["ingress"] if r.get("ports") == [{"port": "serve-grpc", "protocol": "TCP"}]]
+        (peer,) = rule["from"]
+        assert peer["podSelector"]["matchLabels"] == front["spec"]["podSelector"]["matchLabels"]
+    else:
+        assert ray_open == [{"ports": [{"port": "serve-grpc", "protocol": "TCP"}]}], "only gRPC is open to all"
     if any(o["kind"] == "StatefulSet" for o in objs):
         redis = one(objs, "NetworkPolicy", "-redis")
         (rule,) = redis["spec"]["ingress"]
@@ -475,7 +932,7 @@ def test_helm_test_pod_runs_a_generate_call():
     container = pod["spec"]["containers"][0]
     assert "GenerationStub" in container["args"][0] and ".Generate(" in container["args"][0]
     env = env_of(container)
-    assert env["TARGET"]["value"] == f"{one(variant_objects('gpu-split'), 'Service', '-grpc')['metadata']['name']}:9000"
+    assert env["TARGET"]["value"] == f"{public_grpc_service('gpu-split')}:9000"
     assert "AUTH_TOKEN" in env
 
 
@@ -522,6 +979,10 @@ BAD_VALUES = [
     ({"fullnameOverride": "Dflash_Prod"}, "/fullnameOverride"),
     ({"replicaCount": 3}, "replicaCount"),
     ({"redis": {"persistance": {"size": "1Gi"}}}, "persistance"),
+    # KubeRay's incremental upgrade shifts traffic with a Gateway HTTPRoute to the HTTP port; gRPC never uses it.
+    ({"upgradeStrategy": "NewClusterWithIncrementalUpgrade"}, "/upgradeStrategy"),
+    ({"verifier": {"pods": {"disruptionBudget": {"minAvailable": "50%"}}}}, "/verifier/pods/disruptionBudget/minAvailable"),
+    ({"networkPolicy": {"operator": {"namespace": ""}}}, "/networkPolicy/operator/namespace"),
 ]
 
 
@@ -538,7 +999,20 @@ def test_schema_rejects_bad_values(values, where):
     ({"tls": {"enabled": True}}, "tls.existingSecret"),
     ({"tls": {"enabled": True, "existingSecret": "tls", "port": 9000}}, "tls.port 9000 is taken"),
     ({"drafter": {"gpusPerReplica": 1, "replicasPerPod": 2}}, "exceeds pods.gpus"),
+    # Across fields, which JSON Schema cannot compare (values.schema.json says so in its $comment):
+    ({"verifier": {"pods": {"minReplicas": 5}}}, "verifier.pods.minReplicas (5) is above verifier.pods.maxReplicas (4)"),
+    ({"drafter": {"autoscaling": {"minReplicas": 9}}}, "drafter.autoscaling.minReplicas (9) is above drafter.autoscaling.maxReplicas (8)"),
+    ({"ingress": {"autoscaling": {"minReplicas": 3}}}, "ingress.autoscaling.minReplicas (3) is above ingress.autoscaling.maxReplicas (2)"),
+    ({"verifier": {"autoscaling": {"maxReplicas": 6}}}, "verifier.autoscaling.maxReplicas (6) replicas need more than verifier.pods.maxReplicas (4) pods"),
+    ({"ingress": {"autoscaling": {"maxReplicas": 5}}}, "ingress.autoscaling.maxReplicas (5) is above head.maxIngressReplicas (4)"),
+    ({"redis": {"mode": "external", "external": {"existingSecret": "url"}}}, "gcsFaultTolerance.external.address"),
+    ({"model": {"hub": {"cache": {"create": True, "claimName": "mine"}}}}, "model.hub.cache: claimName or create"),
 ])
 def test_inconsistent_values_fail_with_a_message(values, message):
     with pytest.raises(helm.HelmError, match=re.escape(message)):
         render(values)
+
+
+def test_schema_says_where_cross_field_checks_live():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert "dflash.validate" in schema["$comment"]

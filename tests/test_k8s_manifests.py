@@ -59,6 +59,16 @@ def test_every_manifest_is_listed_and_labelled():
         assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kustomize"
 
 
+@pytest.mark.parametrize("overlay", [k for k in KUSTOMIZATIONS if k != "base"])
+def test_every_overlay_file_is_used(overlay):
+    """An overlay holds patches and the objects only its variant renders (the TLS front), all listed;
+    a file the chart no longer renders is gone after `python k8s/generate.py`."""
+    kustomization = yaml.safe_load((K8S / overlay / "kustomization.yaml").read_text())
+    used = {p["path"] for p in kustomization.get("patches", [])} | set(kustomization["resources"])
+    on_disk = {p.name for p in (K8S / overlay).glob("*.yaml")} - {"kustomization.yaml"}
+    assert on_disk <= used and "../../base" in used
+
+
 def test_no_secret_values_are_committed():
     for obj in kustomize_build(K8S / "base"):
         assert obj["kind"] != "Secret", "secrets are created by the user (k8s/README.md), never committed"

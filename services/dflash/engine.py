@@ -320,7 +320,7 @@ class SpeculativeEngine:
         draft_ms, verify_ms = (t1 - t0) * 1000, self._ms_since(t1)
         num_tokens = sum(len(i.token_ids) for i in items)
         predicted_ms = self.cost_curve(num_tokens) if self.cost_curve is not None else 0.0
-        self.calibration.step_ran(t0, draft_ms, verify_ms, predicted_ms, num_sessions)
+        self.calibration.step_ran(t0, draft_ms, predicted_ms, num_sessions)
         report = StepReport(start_ns, 0, draft_ms, verify_ms, num_tokens,
                             verify_lengths=lengths, prefill_tokens=prefill_tokens)
         for gen, draft, tokens, out in zip(plan.decodes, drafts, verified, outs):
@@ -391,7 +391,7 @@ class SpeculativeEngine:
         if self.config.verify_policy == "full" or self.cost_curve is None:
             return sizes
         rates = [acceptance_rate(g.accepted_ema, g.rejected_ema) for g in decodes]
-        drafted = choose_drafted(rates, [s - 1 for s in sizes], base_tokens, self._current_curve(), self.draft_cost,
+        drafted = choose_drafted(rates, [s - 1 for s in sizes], base_tokens, self.cost_curve, self.draft_cost,
                                  overhead_ms)
         self._steps_without_draft = 0 if any(drafted) else self._steps_without_draft + 1
         if self._steps_without_draft >= EXPLORE_EVERY:
@@ -408,11 +408,7 @@ class SpeculativeEngine:
     def _verify_lengths(self, drafts: list[Draft], base_tokens: int, fixed_ms: float) -> list[int]:
         if self.config.verify_policy == "full" or self.cost_curve is None:
             return [d.tokens.shape[0] for d in drafts]
-        return choose_verify_lengths([d.probs for d in drafts], base_tokens, self._current_curve(), fixed_ms)
-
-    def _current_curve(self) -> CostCurve:
-        """The start-up cost curve, scaled to how fast forwards run now."""
-        return self.cost_curve.scaled(self.calibration.scale)
+        return choose_verify_lengths([d.probs for d in drafts], base_tokens, self.cost_curve, fixed_ms)
 
     def _verify_round(self, gen: Generation, draft: torch.Tensor, out, draft_ms: float, verify_ms: float,
                       drafter: str) -> RoundOutput:

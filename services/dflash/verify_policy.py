@@ -48,10 +48,6 @@ class CostCurve:
         """Verification is free: the policy then verifies every proposal."""
         return cls((1, 1 << 20), (1.0, 1.0))
 
-    def scaled(self, factor: float) -> CostCurve:
-        """The same shape, every point times `factor` (the device is busier or idler than at start-up)."""
-        return CostCurve(self.tokens, tuple(m * factor for m in self.ms))
-
 
 def measure_cost_curve(forward: Callable[[int], None], max_tokens: int, repeats: int = 3) -> CostCurve:
     """Time `forward(n)` (one packed target forward of n tokens) at powers of two up to max_tokens; the
@@ -153,20 +149,20 @@ def choose_drafted(rates: Sequence[float], max_drafts: Sequence[int], base_token
 
 
 class StepCalibration:
-    """What the start-up cost curve does not know, learned from the steps run: how much slower (or
-    faster) target forwards are now than at start-up (other work sharing the device), and the time each
-    round costs besides drafting and the forward: sampling, committing, streaming, and in a service the
-    store write and the hops to the client, which compete for the same cores on a CPU. Both are medians
-    of the last `window` steps, so one stall does not move them.
+    """What the start-up cost curve does not know, learned from the steps run: the time each step takes
+    beyond drafting and the forward the curve predicts, per session in the step. That is sampling,
+    committing and streaming each round, and in a service the store write and the hops to the client,
+    which on a CPU compete for the cores the forward runs on (so they also slow the forward down: that
+    slowdown is counted here too, as it comes with the rounds, not with the tokens verified). The
+    median of the last `window` steps, so one stall does not move it.
 
-    The overhead matters to the policy because it is paid per round, whatever the round verifies: the
-    more it costs, the more a round that commits several tokens is worth.
+    It matters to the policy because it is paid per round, whatever the round verifies: the more it
+    costs, the more a round that commits several tokens is worth.
     """
 
     def __init__(self, window: int = 32):
-        self._scale: deque[float] = deque(maxlen=window)
         self._overhead: deque[float] = deque(maxlen=window)
-        self._last: tuple[float, float, int] | None = None  # (start, busy ms, sessions) of the previous step
+        self._last: tuple[float, float, int] | None = None  # (start, predicted busy ms, sessions) of the last step
 
     def step_started(self, now: float) -> None:
         """At a step's start (perf_counter seconds): the previous step's period is now known."""
@@ -176,25 +172,17 @@ class StepCalibration:
             self._overhead.append(max(period_ms - busy_ms, 0.0) / sessions)
         self._last = None
 
-    def step_ran(self, start: float, draft_ms: float, verify_ms: float, predicted_verify_ms: float,
-                 sessions: int) -> None:
-        """After a step's forward: its measured times against the curve's prediction."""
-        if predicted_verify_ms > 0:
-            self._scale.append(verify_ms / predicted_verify_ms)
-        self._last = (start, draft_ms + verify_ms, sessions) if sessions else None
+    def step_ran(self, start: float, draft_ms: float, predicted_verify_ms: float, sessions: int) -> None:
+        """After a step's forward: its drafting time as measured, its forward as the curve predicts it."""
+        self._last = (start, draft_ms + predicted_verify_ms, sessions) if sessions else None
 
     def idle(self) -> None:
         """The engine waited for work: the next step's period says nothing about the steps."""
         self._last = None
 
     @property
-    def scale(self) -> float:
-        """The forward's time now against the start-up curve, kept in [0.5, 4]."""
-        return min(max(_median(self._scale, 1.0), 0.5), 4.0)
-
-    @property
     def round_overhead_ms(self) -> float:
-        """Milliseconds per session per step outside drafting and the forward."""
+        """Milliseconds per session per step beyond drafting and the curve's forward time."""
         return _median(self._overhead, 0.0)
 
 

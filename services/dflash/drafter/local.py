@@ -75,11 +75,20 @@ class LocalDrafter:
         blocks = torch.cat([make_block(r.last_token, r.block_size, self.mask_token_id) for r in requests]).to(device)
         context = torch.cat([r.context.to(device=device, dtype=dtype) for r in requests])
         hidden = self.model.forward_packed(self.embed_tokens(blocks).to(dtype), context, batch)
-        drafts = []
-        for r, offset in zip(requests, batch.blk_offsets):
-            logits = self.lm_head(hidden[offset + 1 : offset + r.block_size].to(self.lm_head.weight.dtype))
-            start = r.context_start + r.context.shape[0]
-            tokens, probs = propose_tokens(logits.float(), r.sampling, start + 1, with_probs=True)
+        # One LM head over every session's proposal rows (the block's positions after its anchor), and
+        # the greedy sessions' picks for all of them at once; sampled sessions pick on their own rows.
+        rows = torch.cat([torch.arange(o + 1, o + r.block_size) for r, o in zip(requests, batch.blk_offsets)])
+        logits = self.lm_head(hidden[rows.to(device)].to(self.lm_head.weight.dtype)).float()
+        if any(r.sampling.greedy for r in requests):
+            greedy_tokens, greedy_probs = propose_tokens(logits, GREEDY, 0, with_probs=True)
+        drafts, row = [], 0
+        for r in requests:
+            n, start = r.block_size - 1, r.context_start + r.context.shape[0]
+            if r.sampling.greedy:
+                tokens, probs = greedy_tokens[row : row + n], greedy_probs[row : row + n]
+            else:
+                tokens, probs = propose_tokens(logits[row : row + n], r.sampling, start + 1, with_probs=True)
+            row += n
             keep = confident_length(probs, r.sampling.min_confidence)
             drafts.append(Draft(tokens[:keep].to("cpu", torch.long), probs[:keep].to("cpu", torch.float32)))
         return drafts

@@ -91,7 +91,10 @@ class Draft:
 
     @classmethod
     def none(cls) -> Draft:
-        return cls(torch.empty(0, dtype=torch.long), torch.empty(0), "")
+        return _NO_DRAFT
+
+
+_NO_DRAFT = Draft(torch.empty(0, dtype=torch.long), torch.empty(0), "")  # shared: tensors are never written
 
 
 class Drafter(Protocol):

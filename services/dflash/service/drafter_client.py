@@ -86,7 +86,7 @@ class RemoteDrafter:
         session whose replica fails moves to its next candidate; Draft.none() when nobody answered."""
         for r in requests:
             window = self._windows.setdefault(r.session_id, ContextWindow(self.net.context_window))
-            window.extend(r.context, r.context_start)
+            window.extend(r.context.to("cpu"), r.context_start)  # host memory: the device's is for KV
         span = trace.get_current_span()
         results: list[Draft | None] = [None] * len(requests)
         candidates = [self._candidates(r.session_id) for r in requests]
