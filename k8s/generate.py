@@ -1,8 +1,8 @@
 """Regenerate k8s/ from the Helm chart: `python k8s/generate.py` (needs the dev extra's helm-python-sdk).
 
 k8s/base is the chart rendered with its defaults plus k8s/helm-values.yaml (the Redis password from
-a Secret you create, no Helm-only objects); each overlay is a set of JSON patches that turns base
-into the chart rendered with helm/ci/<overlay>-values.yaml. tests/test_k8s_manifests.py builds
+a Secret you create, no Helm-only objects); each overlay is a set of JSON patches, plus the objects only
+that variant renders, that turns base into the chart rendered with helm/ci/<overlay>-values.yaml. tests/test_k8s_manifests.py builds
 them with kustomize and compares them with the chart, so a chart change without a regeneration fails.
 """
 
@@ -80,8 +80,16 @@ def dump(obj) -> str:
     return yaml.safe_dump(obj, sort_keys=False, width=120)
 
 
+def clear(directory: Path) -> None:
+    """Remove the files an earlier run generated here, so objects the chart no longer renders go too."""
+    for path in directory.glob("*.yaml"):
+        if path.read_text().startswith(HEADER):
+            path.unlink()
+
+
 def main() -> int:
     base = chart_objects()
+    clear(K8S / "base")
     for obj in base:
         write(K8S / "base" / f"{obj['kind'].lower()}-{obj['metadata']['name']}.yaml", HEADER + dump(obj))
     write(K8S / "base" / "kustomization.yaml", HEADER + dump({
@@ -93,8 +101,15 @@ def main() -> int:
     for overlay in OVERLAYS:
         values = yaml.safe_load((CHART / "ci" / f"{overlay}-values.yaml").read_text())
         variant = {(o["kind"], o["metadata"]["name"]): o for o in chart_objects(values)}
-        if {(o["kind"], o["metadata"]["name"]) for o in base} != set(variant):
-            raise SystemExit(f"{overlay}: the chart renders other objects than base; patches cannot express that")
+        in_base = {(o["kind"], o["metadata"]["name"]) for o in base}
+        if in_base - set(variant):
+            raise SystemExit(f"{overlay}: the chart renders no {sorted(in_base - set(variant))} here; patches cannot delete")
+        clear(K8S / "overlays" / overlay)
+        resources = ["../../base"]
+        for key in sorted(set(variant) - in_base):  # objects only this variant has (e.g. the TLS front)
+            name = f"{key[0].lower()}-{key[1]}.yaml"
+            write(K8S / "overlays" / overlay / name, HEADER + dump(variant[key]))
+            resources.append(name)
         patches = []
         for obj in base:
             ops = json_patch(obj, variant[(obj["kind"], obj["metadata"]["name"])])
@@ -105,7 +120,7 @@ def main() -> int:
         write(K8S / "overlays" / overlay / "kustomization.yaml", HEADER + dump({
             "apiVersion": "kustomize.config.k8s.io/v1beta1",
             "kind": "Kustomization",
-            "resources": ["../../base"],
+            "resources": resources,
             "patches": patches,
         }))
     return 0

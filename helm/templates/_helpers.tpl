@@ -54,11 +54,35 @@ app.kubernetes.io/component: {{ .component }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
+{{/*
+Labels of the pods a component makes: no chart or app version. KubeRay hashes the Ray pod templates and
+replaces the whole (GPU) cluster when the hash changes; a StatefulSet or Deployment rolls its pods.
+Pass (dict "ctx" $ "component" "ray").
+*/}}
+{{- define "dflash.podLabels" -}}
+{{ include "dflash.componentSelector" . }}
+app.kubernetes.io/part-of: dflash
+{{- with .ctx.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
 {{- define "dflash.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "dflash.fullname" .) .Values.serviceAccount.name }}
 {{- else }}
 {{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The head pod's account: KubeRay binds its autoscaler Role to it. */}}
+{{- define "dflash.headServiceAccountName" -}}
+{{- if .Values.serviceAccount.headName }}
+{{- .Values.serviceAccount.headName }}
+{{- else if .Values.serviceAccount.create }}
+{{- printf "%s-head" (include "dflash.fullname" .) }}
+{{- else }}
+{{- include "dflash.serviceAccountName" . }}
 {{- end }}
 {{- end }}
 
@@ -75,9 +99,18 @@ app.kubernetes.io/component: {{ .component }}
 {{- .Values.redis.auth.existingSecret | default (include "dflash.redisName" .) }}
 {{- end }}
 
-{{/* The public gRPC Service (service-grpc.yaml). */}}
+{{/* The public gRPC Service: KubeRay's serve Service, or with tls.enabled the TLS front's (service-grpc.yaml). */}}
 {{- define "dflash.grpcServiceName" -}}
 {{- printf "%s-grpc" (include "dflash.fullname" .) }}
+{{- end }}
+
+{{/* KubeRay's serve Service (spec.serveService): public without TLS, the TLS front's upstream with it. */}}
+{{- define "dflash.serveServiceName" -}}
+{{- if .Values.tls.enabled }}
+{{- printf "%s-serve" (include "dflash.fullname" .) }}
+{{- else }}
+{{- include "dflash.grpcServiceName" . }}
+{{- end }}
 {{- end }}
 
 {{- define "dflash.podSecurityContext" -}}
@@ -99,8 +132,9 @@ capabilities:
 {{- end }}
 
 {{/*
-Checks that templates cannot express in values.schema.json: secrets that must be named together
-with a switch, and GPU arithmetic across a group and its deployment.
+Checks that values.schema.json cannot express (JSON Schema does not compare two values): secrets that
+must be named together with a switch, min not above max, replicas that fit their pods, GPU arithmetic
+across a group and its deployment.
 */}}
 {{- define "dflash.validate" -}}
 {{- if and .Values.auth.enabled (not .Values.auth.existingSecret) }}
@@ -126,5 +160,28 @@ with a switch, and GPU arithmetic across a group and its deployment.
 {{- if gt (mulf $v.gpusPerReplica $v.replicasPerPod) (float64 $v.pods.gpus) }}
 {{- fail (printf "%s: gpusPerReplica * replicasPerPod (%v) exceeds pods.gpus (%v)" $role (mulf $v.gpusPerReplica $v.replicasPerPod) $v.pods.gpus) }}
 {{- end }}
+{{- include "dflash.validateAtMost" (dict "low" $v.pods.minReplicas "lowName" (printf "%s.pods.minReplicas" $role) "high" $v.pods.maxReplicas "highName" (printf "%s.pods.maxReplicas" $role)) }}
+{{- if gt (int $v.autoscaling.maxReplicas) (mul (int $v.pods.maxReplicas) (int $v.replicasPerPod)) }}
+{{- fail (printf "%s.autoscaling.maxReplicas (%v) replicas need more than %s.pods.maxReplicas (%v) pods of %s.replicasPerPod (%v)" $role $v.autoscaling.maxReplicas $role $v.pods.maxReplicas $role $v.replicasPerPod) }}
+{{- end }}
+{{- end }}
+{{- range $role := list "ingress" "verifier" "drafter" }}
+{{- $a := (index $.Values $role).autoscaling }}
+{{- include "dflash.validateAtMost" (dict "low" $a.minReplicas "lowName" (printf "%s.autoscaling.minReplicas" $role) "high" $a.maxReplicas "highName" (printf "%s.autoscaling.maxReplicas" $role)) }}
+{{- end }}
+{{- include "dflash.validateAtMost" (dict "low" .Values.ingress.autoscaling.maxReplicas "lowName" "ingress.autoscaling.maxReplicas" "high" .Values.head.maxIngressReplicas "highName" "head.maxIngressReplicas") }}
+{{- $gcs := .Values.gcsFaultTolerance }}
+{{- if and $gcs.enabled (eq .Values.redis.mode "external") (not $gcs.external.address) }}
+{{- fail "gcsFaultTolerance with redis.mode=external needs gcsFaultTolerance.external.address (host:port of a Redis for the Ray head), or gcsFaultTolerance.enabled=false" }}
+{{- end }}
+{{- if and .Values.model.hub.cache.create .Values.model.hub.cache.claimName }}
+{{- fail "model.hub.cache: claimName or create, not both (create makes a claim of its own)" }}
+{{- end }}
+{{- end }}
+
+{{/* Fails unless low <= high; pass (dict "low" n "lowName" "a.b" "high" m "highName" "a.c"). */}}
+{{- define "dflash.validateAtMost" -}}
+{{- if gt (int .low) (int .high) }}
+{{- fail (printf "%s (%v) is above %s (%v)" .lowName .low .highName .high) }}
 {{- end }}
 {{- end }}

@@ -13,19 +13,26 @@ Ray container itself. Pass (dict "ctx" $ "role" "head|verifier|drafter").
 - name: DFLASH_DRAFTER_NET__HOST
   value: "$(POD_IP)"
 {{- if eq $v.redis.mode "internal" }}
-- name: REDIS_PASSWORD
+# Not REDIS_PASSWORD: KubeRay sets that one on the head for GCS fault tolerance and refuses a head that has it.
+- name: SESSIONS_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
       name: {{ include "dflash.redisSecretName" .ctx }}
       key: {{ $v.redis.auth.key }}
 - name: DFLASH_REDIS__URL
-  value: "redis://:$(REDIS_PASSWORD)@{{ include "dflash.redisName" .ctx }}:6379/0"
+  value: "redis://:$(SESSIONS_REDIS_PASSWORD)@{{ include "dflash.redisName" .ctx }}:6379/0"
 {{- else }}
 - name: DFLASH_REDIS__URL
   valueFrom:
     secretKeyRef:
       name: {{ $v.redis.external.existingSecret }}
       key: {{ $v.redis.external.key }}
+{{- end }}
+{{- if and (ne .role "head") (eq $v.model.device "auto") (include "dflash.hasGpus" .) }}
+# This pod requested GPUs: "auto" means cuda here, so a replica whose CUDA is unusable (a driver too old for
+# the image's torch) stops at start, naming both, rather than running on the CPU beside an idle GPU.
+- name: DFLASH_MODEL__DEVICE
+  value: cuda
 {{- end }}
 {{- if $v.auth.enabled }}
 - name: DFLASH_AUTH_TOKEN
@@ -69,16 +76,28 @@ Ray container itself. Pass (dict "ctx" $ "role" "head|verifier|drafter").
   value: "1"
 {{- end }}
 
+{{/* "true" when a worker group's replicas use GPUs (pass (dict "ctx" $ "role" "verifier")), else empty. */}}
+{{- define "dflash.hasGpus" -}}
+{{- $r := index .ctx.Values .role -}}
+{{- if and (gt (int $r.pods.gpus) 0) (gt (float64 $r.gpusPerReplica) 0.0) }}true{{ end }}
+{{- end }}
+
+{{/* The claim holding the hub download cache, if any (model.hub.cache). */}}
+{{- define "dflash.modelCacheClaim" -}}
+{{- $c := .Values.model.hub.cache -}}
+{{- if $c.claimName }}{{ $c.claimName }}{{ else if $c.create }}{{ include "dflash.fullname" . }}-models{{ end }}
+{{- end }}
+
 {{- define "dflash.modelVolume" -}}
 {{- $m := .Values.model -}}
 {{- if eq $m.source "hub" }}
 - name: models
-{{- if $m.hub.cacheClaim }}
+{{- with include "dflash.modelCacheClaim" . }}
   persistentVolumeClaim:
-    claimName: {{ $m.hub.cacheClaim }}
+    claimName: {{ . }}
 {{- else }}
   emptyDir:
-    sizeLimit: {{ $m.hub.sizeLimit }}
+    sizeLimit: {{ $m.hub.cache.size }}
 {{- end }}
 {{- else if eq $m.source "pvc" }}
 - name: models
@@ -98,11 +117,25 @@ Ray container itself. Pass (dict "ctx" $ "role" "head|verifier|drafter").
     sizeLimit: {{ if eq .role "head" }}{{ $v.head.shmSize }}{{ else }}{{ (index $v .role).pods.shmSize }}{{ end }}
 {{- if ne .role "head" }}
 {{- include "dflash.modelVolume" .ctx }}
-{{- else if $v.tls.enabled }}
-- name: tls
-  secret:
-    secretName: {{ $v.tls.existingSecret }}
-    defaultMode: 0440
+{{- else if $v.autoscaler.enabled }}
+# The head account's token, CA and namespace at the in-cluster paths, mounted into Ray's autoscaler
+# container only (autoscalerOptions.volumeMounts): the pod itself mounts no token.
+- name: autoscaler-api-token
+  projected:
+    defaultMode: 0444
+    sources:
+      - serviceAccountToken:
+          path: token
+          expirationSeconds: 3600
+      - configMap:
+          name: kube-root-ca.crt
+          items:
+            - {key: ca.crt, path: ca.crt}
+      - downwardAPI:
+          items:
+            - path: namespace
+              fieldRef:
+                fieldPath: metadata.namespace
 {{- end }}
 {{- end }}
 
@@ -190,7 +223,9 @@ start (cache claim) finds the files and only checks them.
     - {name: dashboard, containerPort: 8265}
     - {name: client, containerPort: 10001}
     {{- end }}
-    - {name: serve, containerPort: 8000}
+    # Serve's HTTP proxy, which KubeRay health-checks on 8000. Not named "serve": KubeRay's serve Service
+    # carries every head port named serve or serve-*, and the public one is gRPC only.
+    - {name: http-proxy, containerPort: 8000}
     - {name: serve-grpc, containerPort: {{ $v.grpc.port }}}
     - {name: metrics, containerPort: 8080}
   env:
@@ -205,6 +240,10 @@ start (cache claim) finds the files and only checks them.
     {{- $_ := set $res "limits" (merge (dict "nvidia.com/gpu" (int $pods.gpus)) ($res.limits | default dict)) }}
     {{- $_ := set $res "requests" (merge (dict "nvidia.com/gpu" (int $pods.gpus)) ($res.requests | default dict)) }}
     {{- end }}
+    {{- if and (eq $v.model.source "hub") (not (include "dflash.modelCacheClaim" .ctx)) }}
+    {{- /* The per-pod download lands on node disk: ask the scheduler for it. */}}
+    {{- $_ := set $res "requests" (merge ($res.requests | default dict) (dict "ephemeral-storage" $v.model.hub.cache.size)) }}
+    {{- end }}
     {{- toYaml $res | nindent 4 }}
     {{- end }}
   securityContext:
@@ -213,55 +252,21 @@ start (cache claim) finds the files and only checks them.
     {{- include "dflash.rayVolumeMounts" . | nindent 4 }}
 {{- end }}
 
-{{/*
-tls.enabled, head pod only: `dflash tls-front` terminates TLS with the Secret's certificate (reread when
-the Secret is renewed) and forwards every call to the Serve gRPC proxy beside it over loopback.
-*/}}
-{{- define "dflash.tlsContainer" -}}
-{{- $v := .Values -}}
-- name: tls-front
-  image: {{ include "dflash.image" . }}
-  imagePullPolicy: {{ $v.image.pullPolicy }}
-  command: ["dflash", "tls-front"]
-  args:
-    - --listen=0.0.0.0:{{ $v.tls.port }}
-    - --upstream=127.0.0.1:{{ $v.grpc.port }}
-    - --cert=/etc/dflash/tls/tls.crt
-    - --key=/etc/dflash/tls/tls.key
-    {{- if $v.tls.clientAuth }}
-    - --client-ca=/etc/dflash/tls/ca.crt
-    {{- end }}
-  ports:
-    - {name: grpc-tls, containerPort: {{ $v.tls.port }}}
-  readinessProbe:
-    tcpSocket:
-      port: grpc-tls
-    periodSeconds: 5
-  resources:
-    {{- toYaml $v.tls.resources | nindent 4 }}
-  securityContext:
-    {{- include "dflash.containerSecurityContext" (dict "ctx" . "readOnly" true) | nindent 4 }}
-  volumeMounts:
-    - name: tls
-      mountPath: /etc/dflash/tls
-      readOnly: true
-{{- end }}
-
 {{/* The pod template of a Ray group. */}}
 {{- define "dflash.rayPodTemplate" -}}
 {{- $v := .ctx.Values -}}
 {{- $sched := ternary $v.head (index $v .role).pods (eq .role "head") -}}
 metadata:
   labels:
-    {{- include "dflash.componentLabels" (dict "ctx" .ctx "component" "ray") | nindent 4 }}
+    {{- include "dflash.podLabels" (dict "ctx" .ctx "component" "ray") | nindent 4 }}
     dflash.dev/role: {{ .role }}
   {{- with $v.podAnnotations }}
   annotations:
     {{- toYaml . | nindent 4 }}
   {{- end }}
 spec:
-  serviceAccountName: {{ include "dflash.serviceAccountName" .ctx }}
-  automountServiceAccountToken: {{ $v.serviceAccount.automountToken }}
+  serviceAccountName: {{ if eq .role "head" }}{{ include "dflash.headServiceAccountName" .ctx }}{{ else }}{{ include "dflash.serviceAccountName" .ctx }}{{ end }}
+  automountServiceAccountToken: false
   {{- with $v.imagePullSecrets }}
   imagePullSecrets:
     {{- toYaml . | nindent 4 }}
@@ -274,9 +279,6 @@ spec:
   {{- end }}
   containers:
     {{- include "dflash.rayContainer" . | nindent 4 }}
-    {{- if and (eq .role "head") $v.tls.enabled }}
-    {{- include "dflash.tlsContainer" .ctx | nindent 4 }}
-    {{- end }}
   volumes:
     {{- include "dflash.rayVolumes" . | nindent 4 }}
   {{- with $sched.nodeSelector }}

@@ -1,7 +1,11 @@
 {{/*
-serveConfigV2: Ray Serve's config file. The application's `args` are the service's own
-configuration tree (dflash.service.config.ServiceConfig.from_dict); secrets and per-pod values are
-not here: they reach each replica as DFLASH_* environment variables (see _raypod.tpl).
+serveConfigV2: Ray Serve's config file. The application's `args` are the service's own configuration
+tree (dflash.service.config.ServiceConfig.from_dict) without its deployment sections; secrets and per-pod
+values are not here either: they reach each replica as DFLASH_* environment variables (_raypod.tpl).
+Replicas, autoscaling, admission limits and actor options are `deployments:` overrides, which Serve
+applies over what the code sets: Serve hashes `args` (and autoscaling policies) into the application's
+code version and restarts every replica when it changes, but scales or re-limits a deployment in place
+when only its overrides do (changed actor options restart that deployment alone).
 */}}
 
 {{- define "dflash.modelPaths" -}}
@@ -17,12 +21,12 @@ not here: they reach each replica as DFLASH_* environment variables (see _raypod
 {{- end }}
 {{- end }}
 
-{{/* One deployment's options; pass (dict "v" .Values.<role> "gpus" bool "resource" name "drafter" bool).
+{{/* One deployment's override; pass (dict "name" n "v" .Values.<role> "gpus" bool "resource" name "drafter" bool).
 The drafter scales on the load its replicas report (dflash.service.autoscaling), the others on Serve's
-own request counts. */}}
-{{- define "dflash.deploymentArgs" -}}
+own request counts. The ingress asks for no CPU: the head offers none (only its ingress resource). */}}
+{{- define "dflash.deploymentOverride" -}}
 {{- $v := .v }}
-{{- $actor := dict "num_cpus" (float64 $v.cpusPerReplica) }}
+{{- $actor := dict "num_cpus" (float64 ($v.cpusPerReplica | default 0)) }}
 {{- if .gpus }}
 {{- $_ := set $actor "num_gpus" (float64 $v.gpusPerReplica) }}
 {{- end }}
@@ -38,7 +42,7 @@ own request counts. */}}
 {{- else }}
 {{- $_ := set $auto "target_ongoing_requests" (float64 $v.autoscaling.targetOngoingRequests) }}
 {{- end }}
-{{- dict "autoscaling_config" $auto "ray_actor_options" $actor "max_ongoing_requests" (int $v.maxOngoingRequests) "max_queued_requests" (int $v.maxQueuedRequests) | toJson }}
+{{- dict "name" .name "autoscaling_config" $auto "ray_actor_options" $actor "max_ongoing_requests" (int $v.maxOngoingRequests) "max_queued_requests" (int $v.maxQueuedRequests) | toJson }}
 {{- end }}
 
 {{- define "dflash.serviceArgs" -}}
@@ -50,13 +54,7 @@ own request counts. */}}
 {{- $sched := $v.verifier.scheduler }}
 {{- $scheduler := dict "max_running" (int $sched.maxRunningSessions) "max_step_tokens" (int $sched.maxStepTokens) "max_queued" (int $sched.maxQueuedSessions) "cache_tokens" (int $sched.cacheTokens) "verify_policy" $sched.verifyPolicy }}
 {{- $limits := dict "max_new_tokens" (int $v.limits.maxNewTokens) "max_request_bytes" (int $v.limits.maxRequestBytes) "max_stop_strings" (int $v.limits.maxStopStrings) }}
-{{- $ingress := include "dflash.deploymentArgs" (dict "v" $v.ingress "gpus" false "resource" "" "drafter" false) | fromJson }}
-{{- $verifier := include "dflash.deploymentArgs" (dict "v" $v.verifier "gpus" true "resource" $v.verifier.rayResource "drafter" false) | fromJson }}
-{{- $drafter := include "dflash.deploymentArgs" (dict "v" $v.drafter "gpus" true "resource" $v.drafter.rayResource "drafter" true) | fromJson }}
 {{- $args := dict "mode" $v.mode "app_name" $v.appName "grpc_host" "0.0.0.0" "grpc_port" (int $v.grpc.port) "model" $model "redis" $redis }}
-{{- $_ := set $args "ingress" $ingress }}
-{{- $_ := set $args "verifier" $verifier }}
-{{- $_ := set $args "drafter" $drafter }}
 {{- $_ := set $args "drafter_net" $net }}
 {{- $_ := set $args "limits" $limits }}
 {{- $_ := set $args "scheduler" $scheduler }}
@@ -71,7 +69,13 @@ own request counts. */}}
 {{- if $v.grpc.requestTimeoutSeconds }}
 {{- $_ := set $grpc "request_timeout_s" (float64 $v.grpc.requestTimeoutSeconds) }}
 {{- end }}
-{{- $app := dict "name" $v.appName "route_prefix" "/" "import_path" "dflash.service.app:build" "args" (include "dflash.serviceArgs" . | fromJson) }}
+{{- $deployments := list }}
+{{- $deployments = append $deployments (include "dflash.deploymentOverride" (dict "name" "ingress" "v" $v.ingress "gpus" false "resource" $v.ingress.rayResource "drafter" false) | fromJson) }}
+{{- $deployments = append $deployments (include "dflash.deploymentOverride" (dict "name" "verifier" "v" $v.verifier "gpus" true "resource" $v.verifier.rayResource "drafter" false) | fromJson) }}
+{{- if eq $v.mode "disaggregated" }}
+{{- $deployments = append $deployments (include "dflash.deploymentOverride" (dict "name" "drafter" "v" $v.drafter "gpus" true "resource" $v.drafter.rayResource "drafter" true) | fromJson) }}
+{{- end }}
+{{- $app := dict "name" $v.appName "route_prefix" "/" "import_path" "dflash.service.app:build" "args" (include "dflash.serviceArgs" . | fromJson) "deployments" $deployments }}
 {{- $config := dict "proxy_location" "EveryNode" "http_options" (dict "host" "0.0.0.0" "port" 8000) "grpc_options" $grpc "applications" (list $app) }}
 {{- toYaml $config }}
 {{- end }}
