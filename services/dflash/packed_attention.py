@@ -48,6 +48,17 @@ class PackedBatch:
             total += n
         return out
 
+    @cached_property  # the same for every layer: built once per forward
+    def _masks(self) -> dict:
+        return {}
+
+    def mask(self, i: int, sliding_window: int | None, device) -> torch.Tensor | None:
+        """Session i's causal mask (see `causal_mask`), shared by every layer of this forward."""
+        key = (i, sliding_window)
+        if key not in self._masks:
+            self._masks[key] = causal_mask(self.starts[i], self.num_tokens[i], sliding_window, device)
+        return self._masks[key]
+
     @property
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
@@ -78,9 +89,9 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
                                       sliding_window=sliding_window, **kwargs)
     batch, layer, outputs = dflash_batch, module.layer_idx, []
     gqa = key.shape[1] != query.shape[1]
-    for sid, start, n, off in zip(batch.session_ids, batch.starts, batch.num_tokens, batch.offsets):
+    for i, (sid, start, n, off) in enumerate(zip(batch.session_ids, batch.starts, batch.num_tokens, batch.offsets)):
         keys, values = batch.cache.write(layer, sid, start, key[0, :, off : off + n], value[0, :, off : off + n])
-        mask = causal_mask(start, n, sliding_window, query.device)
+        mask = batch.mask(i, sliding_window, query.device)
         out = F.scaled_dot_product_attention(
             query[:, :, off : off + n], keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=scaling,
             enable_gqa=gqa,

@@ -97,10 +97,11 @@ def stream_request(client: Client, prompt_ids, max_new_tokens, temperature, seed
                     first_at, rec.first_chunk = now, len(chunk.token_ids)
                 last_at = now
                 rec.token_ids += list(chunk.token_ids)
-            if chunk.HasField("round") and chunk.round.index > 0:
-                rec.committed.append(chunk.round.committed)
-                rec.draft_s += chunk.round.draft_ms / 1000
-                rec.verify_s += chunk.round.verify_ms / 1000
+            for r in chunk.rounds or ([chunk.round] if chunk.HasField("round") else []):  # several when coalesced
+                if r.index > 0:
+                    rec.committed.append(r.committed)
+                    rec.draft_s += r.draft_ms / 1000
+                    rec.verify_s += r.verify_ms / 1000
             if chunk.HasField("final"):
                 rec.finished = True
     except grpc.RpcError as exc:
