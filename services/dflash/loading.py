@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from .drafter.checkpoint import check_compatible, load_drafter, resolve_dir
+from .drafter.checkpoint import check_compatible, load_config, load_drafter, resolve_dir
+from .drafter.config import DFlashConfig
 from .drafter.local import LocalDrafter
-from .engine import SpeculativeEngine
+from .drafter.protocol import Drafter
+from .engine import SpeculativeEngine, StepObserver
+from .journal import RoundJournal
 from .errors import CheckpointError, DFlashError
 from .scheduler import SchedulerConfig
 from .target import TargetModel
@@ -116,16 +120,32 @@ def build_engine(
     device: str = "auto",
     dtype: str = "auto",
     scheduler: SchedulerConfig = SchedulerConfig(),
+    observer: StepObserver | None = None,
+    journal: RoundJournal | None = None,
+    remote_drafter: Callable[[DFlashConfig], Drafter] | None = None,
 ) -> SpeculativeEngine:
-    """Target (+ drafter) directories in, a ready engine out; mismatches raise CheckpointError."""
+    """Target (+ drafter) directories in, a ready engine out; mismatches raise CheckpointError.
+
+    The one place an engine is assembled, in process and in the service alike. With `remote_drafter`,
+    only the drafter's config is read here and the drafter itself is what the callable builds from it
+    (the service's gRPC client of the drafter replicas); otherwise it runs in this process.
+    """
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     model, tokenizer = load_target(target, dev, torch_dtype)
-    if drafter is None:
-        return SpeculativeEngine(TargetModel(model), None, tokenizer, eos_ids(model), scheduler)
-    draft_model = load_drafter(drafter, device=dev, dtype=model.dtype)
-    embed = model.get_input_embeddings()
-    check_compatible(draft_model.config, model.config, embed.weight.shape[0])
-    target_model = TargetModel(model, draft_model.config.target_layer_ids)
-    local = LocalDrafter(draft_model, target_model.embed_tokens, target_model.lm_head)
-    return SpeculativeEngine(target_model, local, tokenizer, eos_ids(model), scheduler)
+    embed_rows = model.get_input_embeddings().weight.shape[0]
+    engine_drafter: Drafter | None = None
+    layer_ids: tuple[int, ...] = ()
+    if drafter is not None and remote_drafter is not None:
+        draft_config = load_config(resolve_dir(drafter, "drafter"))
+        check_compatible(draft_config, model.config, embed_rows)
+        engine_drafter, layer_ids = remote_drafter(draft_config), draft_config.target_layer_ids
+    elif drafter is not None:
+        draft_model = load_drafter(drafter, device=dev, dtype=model.dtype)
+        check_compatible(draft_model.config, model.config, embed_rows)
+        layer_ids = draft_model.config.target_layer_ids
+    target_model = TargetModel(model, layer_ids)
+    if drafter is not None and remote_drafter is None:
+        engine_drafter = LocalDrafter(draft_model, target_model.embed_tokens, target_model.lm_head)
+    return SpeculativeEngine(target_model, engine_drafter, tokenizer, eos_ids(model), scheduler, observer=observer,
+                             journal=journal)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import torch
 
 from ..defaults import demo_pair
-from ..drafter.checkpoint import check_compatible, load_config, load_drafter, resolve_dir
+from ..drafter.checkpoint import check_compatible, load_drafter
 from ..drafter.local import LocalDrafter
 from ..engine import SpeculativeEngine
-from ..loading import eos_ids, load_target, resolve_device, resolve_dtype
-from ..target import TargetModel
+from ..loading import build_engine, resolve_device, resolve_dtype
 from ..target_heads import load_target_heads
 from .config import ServiceConfig
 from .drafter_client import RemoteDrafter
@@ -32,27 +31,17 @@ def set_threads(config: ServiceConfig) -> None:
 
 
 def build_verifier_engine(config: ServiceConfig, store: SessionStore, metrics: ServiceMetrics) -> SpeculativeEngine:
-    """Co-located: the drafter in this process. Disaggregated: a RemoteDrafter (only the drafter's config is read)."""
+    """Co-located: the drafter in this process. Disaggregated: a RemoteDrafter (only the drafter's config is
+    read here). Rounds are journaled to the session store, steps reported to metrics and traces."""
     target_dir, drafter_dir = model_dirs(config)
-    device = resolve_device(config.model.device)
-    model, tokenizer = load_target(target_dir, device, resolve_dtype(config.model.dtype, device))
-    if drafter_dir is None:
-        return SpeculativeEngine(TargetModel(model), None, tokenizer, eos_ids(model), config.scheduler,
-                                 observer=StepTelemetry(metrics), journal=store)
-    if config.mode == "colocated":
-        draft_model = load_drafter(drafter_dir, device=device, dtype=model.dtype)
-        draft_config = draft_model.config
-    else:
-        draft_config = load_config(resolve_dir(drafter_dir, "drafter"))
-    check_compatible(draft_config, model.config, model.get_input_embeddings().weight.shape[0])
-    target = TargetModel(model, draft_config.target_layer_ids)
-    if config.mode == "colocated":
-        drafter = LocalDrafter(draft_model, target.embed_tokens, target.lm_head)
-    else:
-        drafter = RemoteDrafter(store, draft_config.block_size, draft_config.mask_token_id,
-                                draft_config.target_layer_ids, config.drafter_net, metrics)
-    return SpeculativeEngine(target, drafter, tokenizer, eos_ids(model), config.scheduler,
-                             observer=StepTelemetry(metrics), journal=store)
+
+    def remote(draft_config):
+        return RemoteDrafter(store, draft_config.block_size, draft_config.mask_token_id,
+                             draft_config.target_layer_ids, config.drafter_net, metrics)
+
+    return build_engine(target_dir, drafter_dir, device=config.model.device, dtype=config.model.dtype,
+                        scheduler=config.scheduler, observer=StepTelemetry(metrics), journal=store,
+                        remote_drafter=remote if config.mode == "disaggregated" else None)
 
 
 def build_draft_sessions(config: ServiceConfig) -> DraftSessions:
