@@ -69,3 +69,54 @@ def test_a_failed_request_does_not_disturb_the_next(models):
     with pytest.raises(InvalidRequestError):
         engine.run([], SamplingParams())
     assert engine.run([3, 4, 5], SamplingParams(max_new_tokens=10, ignore_eos=True)).token_ids == expected
+
+
+# --- edge values of the sampling parameters: each gives the limit it tends to -------------------------
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-38, 1e-20, 1e-6])
+def test_a_tiny_temperature_decodes_greedily(models, temperature):
+    """Dividing logits by 1e-40 overflowed float32: the output was token 0 at every position. The
+    limit of sampling as the temperature falls to 0 is greedy decoding, and that is what it gives."""
+    target, drafter = models
+    engine = engine_for(target, drafter)
+    greedy = engine.run([3, 4, 5], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    tiny = engine.run([3, 4, 5], SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=temperature, seed=1))
+    assert tiny.token_ids == greedy.token_ids and tiny.finish_reason == "length"
+    assert SamplingParams(temperature=temperature).greedy
+
+
+def test_sampling_edge_values_on_large_logits():
+    """Logits of a real model's size (|logit| up to ~60): every edge value of temperature, top_k and
+    top_p samples a real token, and the one its limit says."""
+    import torch
+
+    from dflash.sampling import sample_tokens
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 1000) * 20
+    argmax = logits.argmax(dim=-1)
+
+    def sample(**kw):
+        return sample_tokens(logits, SamplingParams(seed=7, **kw), seed=7, first_position=10)
+
+    for kw in (dict(temperature=1e-40), dict(temperature=1e-30), dict(temperature=1.0, top_k=1),
+               dict(temperature=1.0, top_p=1e-45), dict(temperature=3e38, top_k=1)):
+        assert torch.equal(sample(**kw), argmax), kw
+    # top_k at or beyond the vocabulary and top_p just below 1 filter nothing (on these logits)
+    assert torch.equal(sample(temperature=1.0, top_k=1 << 31), sample(temperature=1.0))
+    assert torch.equal(sample(temperature=1.0, top_k=1000), sample(temperature=1.0))
+    # the uniform limit of a huge temperature: the noise alone picks, whatever the logits
+    uniform = sample_tokens(torch.zeros(6, 1000), SamplingParams(temperature=1.0, seed=7), seed=7, first_position=10)
+    assert torch.equal(sample(temperature=1e300), uniform) and torch.equal(sample(temperature=3e38), uniform)
+
+
+def test_draft_sampling_refuses_a_temperature_it_cannot_divide_by():
+    from dflash.drafter.protocol import DraftSampling
+    from dflash.errors import DFlashError
+
+    with pytest.raises(DFlashError, match=r"temperature: 1e-40 is not 0 \(greedy\) or in \[1e-05, inf\)"):
+        DraftSampling(temperature=1e-40)
+    for bad in (dict(top_p=float("nan"), temperature=1.0), dict(min_confidence=float("nan"))):
+        with pytest.raises(DFlashError):
+            DraftSampling(**bad)
+    assert DraftSampling.for_request(SamplingParams(temperature=1e-40, top_p=0.5), seed=3).greedy

@@ -8,14 +8,22 @@ from dataclasses import dataclass, field
 from .errors import InvalidRequestError
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
+# Sampling divides the logits by the temperature. Below this one the quotient can overflow float32 (a
+# logit of 50 over 1e-40 is 5e41), and the distribution it tends to is already one-hot: such a
+# temperature decodes greedily, the limit of sampling as the temperature falls to 0.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request decodes.
 
-    temperature 0 is greedy. top_k 0 and top_p 1.0 switch those filters off. `seed` fixes the
-    sampled output: the same seed gives the same tokens at any block size (see sampling.py).
+    temperature 0 is greedy, and so is any temperature below MIN_SAMPLING_TEMPERATURE (the limit of
+    sampling as the temperature falls to 0; `temperature` then reads 0). A very large temperature
+    samples uniformly from what top-k and top-p keep, its own limit. top_k 0 (or at least the
+    vocabulary) and top_p 1.0 switch those filters off; top_k 1 or a tiny top_p keeps the most likely
+    token alone. `seed` fixes the sampled output: the same seed gives the same tokens at any block size
+    (see sampling.py).
     `block_size` None uses the drafter's trained block size; 1 switches drafting off.
     `draft_confidence` in [0, 1) shortens each round's draft to the proposals the drafter is jointly
     confident in (the running product of its top-token probabilities stays >= this; the first is always
@@ -40,6 +48,8 @@ class SamplingParams:
         _check_float("temperature", self.temperature)
         if self.temperature < 0:
             raise InvalidRequestError("temperature", f"must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.temperature < MIN_SAMPLING_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")

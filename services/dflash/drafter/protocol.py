@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from ..errors import DFlashError
+from ..params import MIN_SAMPLING_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,10 @@ class DraftSampling:
 
     def __post_init__(self) -> None:
         checks = (
-            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
+            # SamplingParams turns a smaller positive temperature into 0: dividing logits by it overflows.
+            ("temperature", math.isfinite(self.temperature)
+             and (self.temperature == 0.0 or self.temperature >= MIN_SAMPLING_TEMPERATURE),
+             f"0 (greedy) or in [{MIN_SAMPLING_TEMPERATURE:g}, inf)"),
             ("top_k", self.top_k >= 0, ">= 0"),
             ("top_p", self.greedy or 0.0 < self.top_p <= 1.0, "in (0, 1]"),
             ("seed", 0 <= self.seed < 1 << 64, "in [0, 2**64)"),
