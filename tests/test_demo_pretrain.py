@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,21 @@ def test_training_lowers_loss(tok_dir, texts, tmp_path):
     assert sum(losses[-5:]) / 5 < losses[0] - 0.3
     assert (tmp_path / "final" / "model.safetensors").is_file()
     assert metrics["steps"] == 30 and metrics["heldout_perplexity"] > 1
+
+
+def test_schedule_is_linear_warmup_then_cosine_to_the_min_ratio(tok_dir, texts, tmp_path):
+    """transformers' cosine schedule with a minimum: from the end of warmup on, each step's learning rate is
+    what the hand-written schedule it replaced gave (peak, cosine decay to min_lr_ratio of it); warmup rises
+    linearly from 0 (the hand-written one started one warmup step further up)."""
+    steps, warmup, peak, ratio = 10, 2, 3e-3, 0.1
+    _train(tok_dir, tmp_path, texts, steps=steps, warmup=warmup, lr=peak, min_lr_ratio=ratio)
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    for step in range(warmup, steps):  # log line `step` holds the learning rate of scheduler step `step`
+        progress = (step - warmup) / (steps - warmup)
+        hand_written = ratio + (1 - ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        assert lrs[step] == pytest.approx(peak * hand_written, rel=1e-12), step
+    assert lrs[:warmup + 1] == pytest.approx([0.0, peak / 2, peak])
+    assert lrs[6] == pytest.approx(peak * (ratio + (1 - ratio) / 2))  # halfway through the decay
 
 
 def test_resume_matches_uninterrupted_run(tok_dir, texts, tmp_path):

@@ -544,6 +544,26 @@ def test_resume_refuses_other_settings(tmp_path):
         other.resume()
 
 
+def test_schedule_is_linear_warmup_then_cosine_to_zero(tmp_path):
+    """transformers' cosine schedule with warmup: from the end of warmup on, the learning rate is what the
+    hand-written schedule it replaced gave at every step (peak, cosine decay to 0); warmup rises linearly
+    from 0 (the hand-written one started one warmup step further up)."""
+    # 8 samples, 2 per batch: 4 steps an epoch, 12 steps, warmup ceil(0.25 * 12) = 3.
+    trainer = make_trainer(tmp_path, tiny_target(), tiny_tokenizer(), epochs=3, warmup_ratio=0.25, lr=3e-3)
+    assert trainer.total_steps == 12
+    lrs = []
+    for _ in range(trainer.total_steps + 1):
+        lrs.append(trainer.scheduler.get_last_lr()[0])
+        trainer.optimizer.step()
+        trainer.scheduler.step()
+    warmup, total = 3, 12
+    for step in range(warmup, total + 1):
+        hand_written = 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / (total - warmup))))
+        assert lrs[step] == pytest.approx(3e-3 * hand_written, rel=1e-12, abs=1e-15), step
+    assert lrs[:warmup + 1] == pytest.approx([0.0, 1e-3, 2e-3, 3e-3])
+    assert lrs[7] == pytest.approx(3e-3 * 0.5 * (1 + math.cos(math.pi * 4 / 9))) and lrs[total] == 0.0
+
+
 def test_config_validation(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"text": "w1"}\n')
     ok = dict(target=".", data=str(tmp_path / "d.jsonl"), out_dir=str(tmp_path))

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
 from dflash.demo import corpus
 from dflash.demo.tokenizer import ensure_tokenizer
@@ -168,18 +168,6 @@ def evaluate(model, windows: torch.Tensor, bf16: bool, batch: int = 16) -> float
     return total / len(windows)
 
 
-def cosine_schedule(optimizer, warmup: int, steps: int, min_ratio: float):
-    """Linear warmup to the peak lr, then cosine decay to ``min_ratio`` of it."""
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
 def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not norms)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -310,7 +298,9 @@ def train_lm(
         model.load_state_dict(_initial_weights(init_from, model_config))
     model.train()
     optimizer = make_optimizer(model, cfg)
-    scheduler = cosine_schedule(optimizer, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
+    # Linear warmup to the peak lr, then cosine decay to min_lr_ratio of it.
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, cfg.warmup, cfg.steps,
+                                                            min_lr_rate=cfg.min_lr_ratio)
     gen = torch.Generator().manual_seed(cfg.seed)
     step, elapsed_before, tokens_seen = 0, 0.0, 0
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import get_cosine_schedule_with_warmup
 
 from ..drafter.checkpoint import save_drafter
 from ..drafter.config import DFlashConfig
@@ -127,7 +128,7 @@ class Trainer:
         if config.max_steps is not None:
             self.total_steps = min(self.total_steps, config.max_steps)
         warmup = math.ceil(config.warmup_ratio * self.total_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _cosine(warmup, self.total_steps))
+        self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, warmup, self.total_steps)
         self.anchor_generator = torch.Generator().manual_seed(config.seed)
         self.progress = Progress()
         self.amp = _amp_enabled(config.amp, self.device)
@@ -307,16 +308,6 @@ def _compact(acc: list[float]) -> str:
     """Accuracy of slots 1, 2, 3, 4, 8 and the last, in percent: '71/52/40/31/12/3'."""
     picks = sorted({k for k in (1, 2, 3, 4, 8, len(acc)) if 1 <= k <= len(acc)})
     return "/".join(f"{100 * acc[k - 1]:.0f}" for k in picks)
-
-
-def _cosine(warmup: int, total: int):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
 
 
 def _amp_enabled(amp: str, device: torch.device) -> bool:
