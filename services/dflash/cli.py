@@ -6,9 +6,9 @@ import argparse
 import sys
 
 from .errors import DFlashError
-from .commands import bench, client, demo, generate, regenerate, serve, tls_front, train
+from .commands import bench, client, demo, export, generate, regenerate, serve, tls_front, train
 
-COMMANDS = (generate, train, regenerate, demo, bench, serve, client, tls_front)
+COMMANDS = (generate, train, regenerate, demo, bench, serve, client, tls_front, export)
 
 
 def build_parser() -> argparse.ArgumentParser:
