@@ -64,13 +64,13 @@ def test_bench_quick_writes_table_json_plots(dirs, tmp_path, capsys):
     printed = capsys.readouterr().out
     for name in ("target only (engine, block 1)", "transformers generate", "transformers assisted (AR draft)",
                  "transformers prompt lookup", "DFlash block 16", "DFlash block 16, draft confidence 0.05",
-                 "DFlash block 8", "DFlash via service (gRPC)"):
+                 "DFlash block 8", "transformers DFlash (same drafter)", "DFlash via service (gRPC)"):
         assert name in printed
     assert "| method | T | decode tok/s | speedup |" in printed and "draft forward (drafter layers)" in printed
     data = json.loads((out / "bench.json").read_text())
     rows = data["rows"]
     greedy = [r for r in rows if r.get("temperature") == 0.0 and "unavailable" not in r]
-    assert len(greedy) == 7 and {r["temperature"] for r in rows if "unavailable" not in r} == {0.0, 1.0}
+    assert len(greedy) == 8 and {r["temperature"] for r in rows if "unavailable" not in r} == {0.0, 1.0}
     for r in greedy:
         assert r["greedy_equal"] == "reference" or r["greedy_equal"] == {"equal": 2, "prompts": 2}, r
         assert r["decode_tokens_per_s"] > 0 and r["tau"] >= 1.0
@@ -359,3 +359,26 @@ def test_anchor_difficulty_script_runs_on_the_demo_pair():
     assert 1.0 <= result["replayed_tau"] <= 16.0
     for part in (everywhere, visited):
         assert abs(sum(b["share"] for b in part["by_target_p_anchor"].values()) - 1.0) < 0.01
+
+
+def test_transformers_dflash_method_runs_our_drafter_in_transformers_generate():
+    """The `hfdflash` method: transformers' own DFlash loop on our drafter's weights, converted exactly;
+    a drafter it cannot run exactly is an unavailable row naming the field."""
+    import torch
+    from dflash.bench.methods import TRANSFORMERS_DFLASH, build_methods
+    from dflash.drafter import DFlashConfig, DFlashDraftModel
+    from tiny import MASK_ID, hf_greedy, prompts
+
+    target = tiny_target("qwen3")
+    engine, baseline = engine_for(target, tiny_drafter(target, block_size=8)), engine_for(target)
+    methods, unavailable = build_methods(["hfdflash"], engine, baseline, "no AR draft", None)
+    assert not unavailable and [m.name for m in methods] == [TRANSFORMERS_DFLASH]
+    prompt = prompts(1, seed=6)[0]
+    sample = methods[0].run(prompt, 24, 0.0, 0)
+    assert sample.token_ids == hf_greedy(target, prompt, 24) and sample.first_chunk == 1
+    assert sum(sample.committed) == len(sample.token_ids) - 1 and sample.draft_s > 0 and sample.verify_s > 0
+    raw = DFlashConfig.for_target(target.config, block_size=8, mask_token_id=MASK_ID, num_features=2).raw
+    sliding = DFlashDraftModel(DFlashConfig.from_dict({**raw, "layer_types": ["sliding_attention"],
+                                                       "sliding_window": 4})).eval()
+    _, unavailable = build_methods(["hfdflash"], engine_for(target, sliding), baseline, "no AR draft", None)
+    assert "sliding_window" in unavailable[TRANSFORMERS_DFLASH]

@@ -2,8 +2,9 @@
 
 Methods: our engine (target alone at block 1, DFlash at block 16 and 8, and block 16 with drafts cut
 where the drafter's joint confidence falls below a threshold), transformers `generate`
-(plain, assisted with an autoregressive draft model, prompt lookup), and DFlash through the running
-service over gRPC. All time the same things the same way:
+(plain, assisted with an autoregressive draft model, prompt lookup, and transformers' own DFlash with
+our drafter's weights converted exactly), and DFlash through the running service over gRPC. All time
+the same things the same way:
 
 - TTFT: from the call until the first new token is in hand (prefill, plus for assisted methods the
   first draft-and-verify pass).
@@ -184,6 +185,18 @@ def prompt_lookup(model, pad_token_id=None, num_tokens: int = 10) -> HFMethod:
     return HFMethod("transformers prompt lookup", model, pad_token_id=pad_token_id, prompt_lookup_num_tokens=num_tokens)
 
 
+TRANSFORMERS_DFLASH = "transformers DFlash (same drafter)"
+
+
+def transformers_dflash(model, drafter_model, pad_token_id=None) -> HFMethod:
+    """transformers' own DFlash loop (`speculation_type="dflash"`) on our drafter's weights, converted
+    exactly (dflash.drafter.transformers_format); raises CheckpointError for a drafter it cannot run."""
+    from ..drafter.transformers_format import to_transformers
+
+    return HFMethod(TRANSFORMERS_DFLASH, model, to_transformers(drafter_model), pad_token_id,
+                    speculation_type="dflash")
+
+
 # -- the running service ---------------------------------------------------------------------------
 
 
@@ -222,7 +235,7 @@ def build_methods(keys, engine: SpeculativeEngine, baseline: SpeculativeEngine, 
     string saying why there is none; `service` a host:port or None (`service_token`: its bearer token);
     `draft_confidence` the dflash16c method's threshold, in (0, 1).
     """
-    from ..errors import DFlashError
+    from ..errors import CheckpointError, DFlashError
 
     model = engine.target.model
     pad = engine.tokenizer.pad_token_id if engine.tokenizer is not None else None
@@ -254,6 +267,15 @@ def build_methods(keys, engine: SpeculativeEngine, baseline: SpeculativeEngine, 
                 unavailable[name] = f"the drafter is trained for block {trained}" if trained else "no drafter loaded"
             else:
                 methods.append(EngineMethod(name, engine, 16, draft_confidence))
+        elif key == "hfdflash":
+            drafter_model = getattr(engine.drafter, "model", None)
+            if drafter_model is None:
+                unavailable[TRANSFORMERS_DFLASH] = "no in-process drafter loaded"
+                continue
+            try:
+                methods.append(transformers_dflash(model, drafter_model, pad))
+            except CheckpointError as exc:  # a drafter transformers' DFlash cannot run exactly: the row says why
+                unavailable[TRANSFORMERS_DFLASH] = str(exc)
         elif key == "service":
             name = "DFlash via service (gRPC)"
             if not service:

@@ -18,7 +18,7 @@ from ..defaults import DEMO_AR_DRAFT
 from ..errors import DFlashError
 from .generate import add_model_args, model_dirs
 
-METHODS = ("target", "hf", "assisted", "lookup", "dflash16", "dflash16c", "dflash8", "service")
+METHODS = ("target", "hf", "assisted", "lookup", "dflash16", "dflash16c", "dflash8", "hfdflash", "service")
 REFERENCE = "target only (engine, block 1)"
 DEFAULT_DRAFT_CONFIDENCE = 0.05
 
