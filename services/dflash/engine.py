@@ -17,28 +17,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from .drafter.protocol import Draft, Drafter, DraftRequest
-from .errors import DFlashError, InvalidRequestError
+from .errors import DFlashError
 from .generation import Generation, RoundOutput
+from .intake import RequestLimits, new_generation
 from .journal import CommittedRound, RoundJournal, SessionFencedError
 from .params import SamplingParams
-from .rounds import accept_length, committed_tokens, cut_at_stop
+from .rounds import accept_length, committed_tokens
 from .sampling import sample_tokens
 from .scheduler import Scheduler, SchedulerConfig, StepPlan
 from .stats import GenerationStats, RoundStats
 from .target import ForwardItem, TargetModel
-from .textstream import TextStream
 from .verify_policy import (
     CostCurve, DraftCost, StepCalibration, acceptance_rate, choose_drafted, choose_verify_lengths,
-    measure_cost_curve,
+    measure_target_cost,
 )
 
 log = logging.getLogger(__name__)
@@ -100,6 +99,7 @@ class SpeculativeEngine:
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.limits = RequestLimits(target.vocab_size, target.max_positions, drafter.block_size if drafter else 0)
         self.config = config
         self.cache = target.new_cache(config.cache_tokens)
         self.scheduler = Scheduler(config, self.cache)
@@ -117,7 +117,7 @@ class SpeculativeEngine:
         self.calibration = StepCalibration()
         self._steps_without_draft = 0
         if self.cost_curve is None and drafter is not None and config.verify_policy == "adaptive":
-            self.cost_curve = self._measure_cost_curve()
+            self.cost_curve = measure_target_cost(target, config.max_step_tokens)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -152,31 +152,9 @@ class SpeculativeEngine:
         To resume a request whose caches were lost, pass the tokens it already committed and the seed
         it used: generation continues exactly where it stopped (nothing repeated, nothing lost).
         """
-        prompt_ids = self._check_prompt(prompt_ids)
-        block_size = self._check_block_size(params)
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop", "stop strings need a tokenizer; pass stop_token_ids instead")
-        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        gen = Generation(
-            request_id=request_id or uuid.uuid4().hex,
-            prompt_ids=prompt_ids,
-            params=params,
-            block_size=block_size,
-            stop_token_ids=stops,
-            text=TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None,
-        )
-        if seed is not None or params.seed is not None:
-            gen.seed = seed if seed is not None else params.seed
-        gen.stats.prompt_tokens = len(prompt_ids)
-        if committed_ids:
-            if len(committed_ids) >= params.max_new_tokens:
-                raise InvalidRequestError("committed_ids", "the request already has all its tokens")
-            gen.output_ids = [int(t) for t in committed_ids]
-            if gen.text is not None:
-                gen.text.push(gen.output_ids)
-                gen.text.emitted = len(gen.text.text)  # already streamed before the interruption
-        gen.prefill_ids = gen.prompt_ids + gen.output_ids[:-1]
-        return gen
+        return new_generation(self.limits, prompt_ids, params, tokenizer=self.tokenizer,
+                              eos_token_ids=self.eos_token_ids, request_id=request_id, committed_ids=committed_ids,
+                              seed=seed)
 
     def submit(self, gen: Generation) -> None:
         """Queue a request for the step loop; QueueFullError when the queue is full."""
@@ -423,7 +401,7 @@ class SpeculativeEngine:
         if gen.block_size > 1:
             self._queue_features(gen, out.features[: accepted + 1])
         stats = RoundStats(gen.num_rounds + 1, len(draft), accepted, accepted + 1, 0, draft_ms, verify_ms, drafter)
-        return self._emit(gen, new_tokens, stats)
+        return gen.emit(self.target.max_positions, new_tokens, stats)
 
     def _prefill_chunk(self, gen: Generation, n: int, out, verify_ms: float) -> RoundOutput | None:
         """A chunk of the prompt is in the cache; after the last one, sample the first token.
@@ -439,7 +417,7 @@ class SpeculativeEngine:
         if gen.output_ids:
             return RoundOutput([], "", RoundStats(0, 0, 0, 0, 0, 0.0, verify_ms), gen.stats, None)
         first = sample_tokens(out.logits[-1:], gen.params, gen.seed, len(gen.prompt_ids))
-        return self._emit(gen, [int(first.item())], RoundStats(0, 0, 0, 1, 0, 0.0, verify_ms))
+        return gen.emit(self.target.max_positions, [int(first.item())], RoundStats(0, 0, 0, 1, 0, 0.0, verify_ms))
 
     @staticmethod
     def _queue_features(gen: Generation, features: torch.Tensor) -> None:
@@ -468,80 +446,11 @@ class SpeculativeEngine:
 
     # -- bookkeeping ------------------------------------------------------------------------------
 
-    def _emit(self, gen: Generation, new_tokens: list[int], stats: RoundStats) -> RoundOutput:
-        cut = cut_at_stop(new_tokens, gen.stop_token_ids, gen.remaining)
-        tokens, reason, text = cut.tokens, cut.finish_reason, ""
-        if gen.text is not None:
-            delta = gen.text.push(tokens)
-            if delta.stop_at_token is not None:
-                tokens, reason = tokens[: delta.stop_at_token - len(gen.output_ids)], "stop"
-            text = delta.text
-        gen.output_ids.extend(tokens)
-        if reason is None and gen.position + 1 >= self.target.max_positions:
-            reason = "length"
-        now = time.perf_counter()
-        if gen.first_token_at is None:
-            gen.first_token_at = now
-            gen.stats.ttft_s = now - gen.started
-        if reason is not None:
-            gen.finish_reason = reason
-            if gen.text is not None:
-                text += gen.text.flush().text
-        stats = replace(stats, emitted=len(tokens))
-        gen.num_rounds = stats.index
-        gen.stats.add_round(stats)
-        gen.stats.generated_tokens = len(gen.output_ids)
-        gen.stats.decode_s = now - gen.first_token_at
-        return RoundOutput(tokens, text, stats, gen.stats, reason)
-
     def _round_block_size(self, gen: Generation) -> int:
         room = self.target.max_positions - 1 - gen.position
         return max(1, min(gen.block_size, gen.remaining, room))
-
-    def _check_prompt(self, prompt_ids) -> list[int]:
-        ids = [int(t) for t in prompt_ids]
-        if not ids:
-            raise InvalidRequestError("prompt", "is empty; give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
-        if bad:
-            raise InvalidRequestError("prompt", f"token ids {bad[:5]} are outside the vocabulary [0, {self.target.vocab_size})")
-        if len(ids) >= self.target.max_positions:
-            raise InvalidRequestError(
-                "prompt",
-                f"is {len(ids)} tokens; the model's context holds {self.target.max_positions} "
-                "(prompt plus at least one new token): shorten the prompt",
-            )
-        return ids
-
-    def _check_block_size(self, params: SamplingParams) -> int:
-        if self.drafter is None:
-            if params.block_size not in (None, 1):
-                raise InvalidRequestError("block_size", f"{params.block_size} needs a drafter; none is loaded (use 1)")
-            return 1
-        size = params.block_size or self.drafter.block_size
-        if size > self.drafter.block_size:
-            raise InvalidRequestError(
-                "block_size", f"{size} exceeds the drafter's trained block size {self.drafter.block_size}"
-            )
-        return size
 
     def _ms_since(self, t0: float) -> float:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize()
         return (time.perf_counter() - t0) * 1000
-
-    def _measure_cost_curve(self) -> CostCurve:
-        """The target's forward time against packed tokens, on this device, on a throwaway cache."""
-        context = min(128, self.target.max_positions // 2)
-        most = min(self.config.max_step_tokens, self.target.max_positions - context - 1)
-        scratch = self.target.new_cache(context + most)
-        scratch.reserve("cost", context + most)
-        self.target.forward(scratch, [ForwardItem("cost", (0,) * context, 0, last_only=True)])
-
-        def forward(n: int) -> None:
-            scratch.crop("cost", context)
-            self.target.forward(scratch, [ForwardItem("cost", (0,) * n, context)])
-
-        curve = measure_cost_curve(forward, max(most, 1))
-        log.info("target cost curve (tokens -> ms): %s", dict(zip(curve.tokens, (round(m, 2) for m in curve.ms))))
-        return curve

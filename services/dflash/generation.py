@@ -6,13 +6,14 @@ import secrets
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
 
 from .drafter.protocol import DraftSampling
 from .params import SamplingParams
+from .rounds import cut_at_stop
 from .stats import GenerationStats, RoundStats
 from .textstream import TextStream
 
@@ -111,3 +112,31 @@ class Generation:
     def done(self) -> bool:
         """Nothing more will be computed for it: finished, cancelled or failed."""
         return self.finished or self.cancelled or self.error is not None
+
+    def emit(self, max_positions: int, new_tokens: list[int], stats: RoundStats) -> RoundOutput:
+        """Commit what a round accepted, as far as stops, max_new_tokens and the context allow; the round
+        as streamed (its tokens, their text, why it finished)."""
+        cut = cut_at_stop(new_tokens, self.stop_token_ids, self.remaining)
+        tokens, reason, text = cut.tokens, cut.finish_reason, ""
+        if self.text is not None:
+            delta = self.text.push(tokens)
+            if delta.stop_at_token is not None:
+                tokens, reason = tokens[: delta.stop_at_token - len(self.output_ids)], "stop"
+            text = delta.text
+        self.output_ids.extend(tokens)
+        if reason is None and self.position + 1 >= max_positions:
+            reason = "length"
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.stats.ttft_s = now - self.started
+        if reason is not None:
+            self.finish_reason = reason
+            if self.text is not None:
+                text += self.text.flush().text
+        stats = replace(stats, emitted=len(tokens))
+        self.num_rounds = stats.index
+        self.stats.add_round(stats)
+        self.stats.generated_tokens = len(self.output_ids)
+        self.stats.decode_s = now - self.first_token_at
+        return RoundOutput(tokens, text, stats, self.stats, reason)

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from .target import ForwardItem, TargetModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,26 @@ def measure_cost_curve(forward: Callable[[int], None], max_tokens: int, repeats:
             times.append((time.perf_counter() - t0) * 1000)
         ms.append(sorted(times)[len(times) // 2])
     return CostCurve(tuple(points), tuple(ms))
+
+
+def measure_target_cost(target: TargetModel, max_step_tokens: int) -> CostCurve:
+    """A target's forward time against packed tokens, on its device, on a throwaway cache holding 128
+    positions of context (as a decoding session's would)."""
+    context = min(128, target.max_positions // 2)
+    most = min(max_step_tokens, target.max_positions - context - 1)
+    scratch = target.new_cache(context + most)
+    scratch.reserve("cost", context + most)
+    target.forward(scratch, [ForwardItem("cost", (0,) * context, 0, last_only=True)])
+
+    def forward(n: int) -> None:
+        scratch.crop("cost", context)
+        target.forward(scratch, [ForwardItem("cost", (0,) * n, context)])
+        if target.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    curve = measure_cost_curve(forward, max(most, 1))
+    log.info("target cost curve (tokens -> ms): %s", dict(zip(curve.tokens, (round(m, 2) for m in curve.ms))))
+    return curve
 
 
 def choose_verify_lengths(probs: Sequence[torch.Tensor], base_tokens: int, cost: CostCurve,
