@@ -66,3 +66,17 @@ class IngressServicer(generate_pb2_grpc.GenerationServicer):
 
     def _open_stream(self, verify, carrier):
         return iterate_in_thread(lambda cancelled: self.verifier.stream(verify, carrier, cancelled))
+
+
+def wait_until(predicate, timeout_s: float = 10.0, what: str = "the condition", interval_s: float = 0.02):
+    """Poll `predicate` until it is true (returns its value) or fail after `timeout_s`, naming `what`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)

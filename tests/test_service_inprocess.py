@@ -8,7 +8,6 @@ context log), target-only fallback, resumption, and one trace per request with t
 import asyncio
 import dataclasses
 import threading
-import time
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ from dflash.service.messages import StreamError, VerifyRequest
 from dflash.service.parts import build_draft_sessions, build_verifier_engine
 from dflash.service.session_store import RedisSessionStore
 from dflash.service.verifier import Verifier
-from service_fixtures import model_dirs, redis_server, redis_url  # noqa: F401
+from service_fixtures import model_dirs, redis_server, redis_url, wait_until  # noqa: F401
 
 PROMPTS = ["def f(x):\n    return", "import os\nprint(", "a = [1, 2, 3]\nb ="]
 EXPORTER = InMemorySpanExporter()
@@ -220,11 +219,8 @@ def test_cancelled_request_stops_and_frees_caches(service):
         return got
 
     assert len(asyncio.run(consume_two())) == 3
-    for _ in range(100):  # the engine thread notices between rounds
-        if store.get(request.session_id).status == "cancelled":
-            break
-        time.sleep(0.05)
-    assert store.get(request.session_id).status == "cancelled"
+    # the stream's thread notices between rounds
+    wait_until(lambda: store.get(request.session_id).status == "cancelled", 10, "the session to be cancelled")
     assert all(s.sessions.drafter.num_sessions == 0 for s in servers)
     assert verifier.engine.cache.num_sessions == 0 and verifier.engine.cache.reserved_tokens == 0
 
