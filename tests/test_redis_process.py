@@ -14,7 +14,8 @@ import time
 import pytest
 import redis
 
-from dflash.service.redis_process import RedisProcess, redact, redis_server_path
+from dflash.service.messages import redact_credentials
+from dflash.service.redis_process import RedisProcess, redis_server_path
 from dflash.service.session_store import CommittedRound, RedisSessionStore, SessionRecord, StoreUnavailableError
 
 pytestmark = [pytest.mark.timeout(120),
@@ -48,7 +49,7 @@ def test_the_password_is_generated_and_on_no_command_line(supervised):
     with pytest.raises(redis.AuthenticationError):  # NOAUTH: no password, no data
         redis.Redis(host=supervised.host, port=supervised.port).get("x")
     assert redis.Redis.from_url(supervised.url).ping()
-    assert password not in redact(supervised.url) and redact(supervised.url).startswith("redis://:***@")
+    assert password not in redact_credentials(supervised.url) and redact_credentials(supervised.url).startswith("redis://:***@")
 
 
 def wait_for(condition, timeout_s=20.0):

@@ -35,18 +35,24 @@ def to_proto(tensor: torch.Tensor) -> drafter_pb2.Tensor:
 
 
 def from_parts(dtype: str, shape: Iterable[int], data: bytes) -> torch.Tensor:
+    """CodecError, never anything else, for parts that do not make a tensor (the caller's bytes)."""
     if dtype not in DTYPES:
-        raise CodecError(f"unknown tensor dtype {dtype!r}; known: {', '.join(DTYPES)}")
+        raise CodecError(f"unknown tensor dtype {dtype[:32]!r}; known: {', '.join(DTYPES)}")
     shape = tuple(int(s) for s in shape)
     kind = DTYPES[dtype]
     expected = kind.itemsize
     for s in shape:
         expected *= s
+    if len(shape) > 8 or any(s >= 1 << 62 for s in shape):
+        raise CodecError(f"tensor shape: {len(shape)} dimensions, largest {max(shape)}: not a context tensor")
     if len(data) != expected:
         raise CodecError(f"tensor {dtype}{list(shape)} needs {expected} bytes, got {len(data)}")
-    if not data:
-        return torch.empty(shape, dtype=kind)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(kind).reshape(shape)
+    try:
+        if not data:
+            return torch.empty(shape, dtype=kind)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(kind).reshape(shape)
+    except (RuntimeError, ValueError, OverflowError) as exc:
+        raise CodecError(f"tensor {dtype}{list(shape)}: {str(exc)[:120]}") from None
 
 
 def from_proto(message: drafter_pb2.Tensor) -> torch.Tensor:

@@ -92,6 +92,32 @@ class DrafterNetConfig:
     # Target features of each session's most recent positions that the verifier keeps in its own memory,
     # to restart the session on a drafter replica that lost it (0: all positions).
     context_window: int = 4096
+    # The internal Drafter API's shared secret: replicas refuse calls without `authorization: Bearer
+    # <token>`, the verifier sends it. Empty: no check (`dflash serve` generates one; a cluster reads
+    # it from a Secret as DFLASH_DRAFTER_NET__TOKEN).
+    token: str = ""
+    # Mutual TLS between verifier and replicas, all three PEM files or none: each side presents
+    # cert/key and accepts only a peer whose certificate ca_file signed.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""
+    # The name the verifier checks a replica's certificate against (replicas advertise IP addresses);
+    # empty: the address's host.
+    tls_server_name: str = ""
+
+    def __post_init__(self) -> None:
+        files = {"tls_cert_file": self.tls_cert_file, "tls_key_file": self.tls_key_file,
+                 "tls_ca_file": self.tls_ca_file}
+        if any(files.values()) and not all(files.values()):
+            missing = next(k for k, v in files.items() if not v)
+            raise ConfigError(f"drafter_net.{missing}: mutual TLS needs tls_cert_file, tls_key_file and "
+                              "tls_ca_file together")
+        if self.tls_server_name and not self.tls_cert_file:
+            raise ConfigError("drafter_net.tls_server_name: only meaningful with mutual TLS (tls_cert_file ...)")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file)
 
 
 @dataclass(frozen=True)
@@ -140,6 +166,9 @@ class ServiceConfig:
     grpc_host: str = "127.0.0.1"
     grpc_port: int = 9000
     auth_token: str = ""  # non-empty: clients must send `authorization: Bearer <token>`
+    # Server reflection on the public port, answered by the ingress (with auth_token set, only to
+    # callers that send the token). The health service is always open, for probes.
+    reflection: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     # The ingress only relays streams; like the chart, let it hold as many as the verifier batches.
@@ -324,7 +353,7 @@ def _build(cls, raw: Mapping[str, Any], prefix: str):
 
 
 def _coerce(name: str, kind: str, value: Any) -> Any:
-    expected = {"int": int, "float": (int, float), "str": str, "dict | None": (dict, type(None)),
+    expected = {"int": int, "float": (int, float), "str": str, "bool": bool, "dict | None": (dict, type(None)),
                 "dict": dict, "str | None": (str, type(None))}.get(kind)
     if isinstance(value, _EnvText):
         if kind in ("str", "str | None"):

@@ -7,12 +7,14 @@ the session store): a session whose replica changed (a failure, a new replica) i
 as a restart, and so is one the replica answers `missing_context` for (restarted, evicted). A replica
 that fails is skipped for `retry_after_s` and the next one is asked. When no replica answers, the
 round runs target-only (an empty draft): output stays exact, only slower, and the round's span says
-so. Replicas come back by advertising themselves in the store again.
+so. Replicas come back by advertising themselves in the store again. Every call carries the
+shared token, over mutual TLS when configured (drafter_auth.py).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from dataclasses import replace
@@ -24,13 +26,14 @@ from opentelemetry import trace
 from ..api.internal.v1 import drafter_pb2, drafter_pb2_grpc
 from ..drafter.protocol import GREEDY, Draft, DraftRequest, DraftSampling
 from ..errors import DFlashError
-from . import codec, tracing
+from . import codec, drafter_auth, tracing
 from .config import DrafterNetConfig
 from .metrics import ServiceMetrics
 from .session_store import SessionStore
 
 
 LIVE_REFRESH_S = 0.5  # how stale the list of live replicas may be (a dead one fails over at once anyway)
+log = logging.getLogger("dflash.service")
 
 
 class ContextWindow:
@@ -79,6 +82,7 @@ class RemoteDrafter:
         self._holder: dict[str, str] = {}  # the replica holding each session's draft context
         self._live_list: list[str] = []
         self._live_at = -LIVE_REFRESH_S
+        self._refused: set[str] = set()  # replicas that refused our token, logged once
         self._lock = threading.Lock()
 
     def draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -107,6 +111,7 @@ class RemoteDrafter:
                     reply = calls[address].result()
                 except grpc.RpcError as exc:
                     self._mark_failed(address)
+                    self._log_refusal(address, exc)
                     span.add_event("drafter failed", {"dflash.drafter.replica": address, "grpc.code": str(exc.code())})
                     for i in idx:
                         candidates[i] = [a for a in candidates[i] if a != address]
@@ -144,7 +149,8 @@ class RemoteDrafter:
         if address is None:
             return
         try:
-            self._stub(address).Release(drafter_pb2.ReleaseRequest(session_id=session_id), timeout=self.net.timeout_s)
+            self._stub(address).Release(drafter_pb2.ReleaseRequest(session_id=session_id), timeout=self.net.timeout_s,
+                                        metadata=drafter_auth.call_metadata(self.net))
         except grpc.RpcError:
             pass
 
@@ -172,8 +178,8 @@ class RemoteDrafter:
     def _call_batch(self, address: str, requests: list[DraftRequest]):
         """A DraftBatch call in flight (a grpc future)."""
         chunks = codec.draft_batch_chunks(requests, self.net.chunk_bytes)
-        return self._stub(address).DraftBatch.future(chunks, timeout=self.net.timeout_s,
-                                                     metadata=tracing.outgoing_metadata())
+        metadata = tracing.outgoing_metadata() + list(drafter_auth.call_metadata(self.net))
+        return self._stub(address).DraftBatch.future(chunks, timeout=self.net.timeout_s, metadata=metadata)
 
     def _live(self) -> list[str]:
         """The replicas advertised in the store, read at most every LIVE_REFRESH_S (not once per step)
@@ -204,14 +210,32 @@ class RemoteDrafter:
         if channel is not None:
             channel[0].close()
 
+    def _log_refusal(self, address: str, exc: grpc.RpcError) -> None:
+        """A replica that refuses the verifier is misconfigured, not down: say so (once per replica)."""
+        if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT) \
+                and address not in self._refused:
+            self._refused.add(address)
+            log.warning("drafter replica %s refused the verifier (%s: %s); check drafter_net.token on both",
+                        address, exc.code().name, exc.details())
+
     def _stub(self, address: str) -> drafter_pb2_grpc.DrafterStub:
         with self._lock:
             if address not in self._channels:
-                channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)])
+                channel = open_channel(address, self.net)
                 self._channels[address] = (channel, drafter_pb2_grpc.DrafterStub(channel))
             return self._channels[address][1]
 
 
-def describe(address: str, timeout_s: float = 5.0) -> drafter_pb2.DrafterInfo:
-    with grpc.insecure_channel(address) as channel:
-        return drafter_pb2_grpc.DrafterStub(channel).Describe(drafter_pb2.DescribeRequest(), timeout=timeout_s)
+def open_channel(address: str, net: DrafterNetConfig) -> grpc.Channel:
+    """A channel to a replica: mutual TLS when drafter_net.tls_* is set, else plaintext."""
+    options = [("grpc.max_send_message_length", 64 << 20), *drafter_auth.channel_options(net)]
+    credentials = drafter_auth.channel_credentials(net)
+    if credentials is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, credentials, options=options)
+
+
+def describe(address: str, timeout_s: float = 5.0, net: DrafterNetConfig = DrafterNetConfig()) -> drafter_pb2.DrafterInfo:
+    with open_channel(address, net) as channel:
+        return drafter_pb2_grpc.DrafterStub(channel).Describe(
+            drafter_pb2.DescribeRequest(), timeout=timeout_s, metadata=drafter_auth.call_metadata(net))

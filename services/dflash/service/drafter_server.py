@@ -4,6 +4,10 @@ Hot sessions keep their draft cache in memory. A call that does not continue a c
 or restarted replica, a session moved here after a failure, an evicted cache) is answered with
 `missing_context` for that session, and the verifier sends the session's recent context again as a
 restart (drafter_client.py): no tensor ever goes through the session store.
+
+Only the verifier may call it: the shared token and optional mutual TLS (drafter_auth.py). A request
+that does not fit (bytes that are not the message, a headerless stream, a context of the wrong
+shape, a token outside the vocabulary) is answered INVALID_ARGUMENT before the model sees it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,17 @@ from ..errors import DFlashError
 from . import codec, tracing
 from .autoscaling import HOT_SESSIONS, INFLIGHT_DRAFTS
 from .config import DrafterNetConfig
+from .drafter_auth import TokenCheck
+from .messages import MalformedMessage, clip
+from .servicers import add_lenient
 from .session_store import SessionStore
+
+MAX_SESSION_ID = 256  # the verifier's are "<session id>.<owner>", at most 128 + a counter
+MAX_POSITION = 1 << 40
+
+
+class MalformedDraft(DFlashError):
+    """A Draft call that does not fit this replica; the message names the field."""
 
 
 class DraftSessions:
@@ -37,10 +51,9 @@ class DraftSessions:
 
     def draft_batch(self, requests: list[DraftRequest]) -> list[Draft | None]:
         """Drafts for many sessions in one forward (see `Drafter.draft_batch`); None for a session whose
-        context this replica does not hold up to its context_start (the caller restarts it)."""
-        for r in requests:
-            if not 1 < r.block_size <= self.drafter.block_size:
-                raise DFlashError(f"block_size: {r.block_size} outside [2, {self.drafter.block_size}]")
+        context this replica does not hold up to its context_start (the caller restarts it).
+        MalformedDraft for a request that does not fit (see `check`)."""
+        self.check(requests)
         with self._lock:
             ready = [r for r in requests if r.restart or r.context_start == 0
                      or self.drafter.session_length(r.session_id) == r.context_start]
@@ -48,6 +61,26 @@ class DraftSessions:
                 self._touch(r.session_id)
             drafts = dict(zip((r.session_id for r in ready), self.drafter.draft_batch(ready)))
         return [drafts.get(r.session_id) for r in requests]
+
+    def check(self, requests: list[DraftRequest]) -> None:
+        """MalformedDraft naming the first field of a request this replica cannot draft from."""
+        width = self.drafter.model.fc.in_features
+        vocab = self.drafter.embed_tokens.weight.shape[0]
+        seen: set[str] = set()
+        for r in requests:
+            if not 0 < len(r.session_id) <= MAX_SESSION_ID or r.session_id in seen:
+                raise MalformedDraft(f"session_id: 1 to {MAX_SESSION_ID} characters, once per call "
+                                     f"(got {len(r.session_id)} characters)")
+            seen.add(r.session_id)
+            if r.context.dim() != 2 or r.context.shape[1] != width or not r.context.is_floating_point():
+                raise MalformedDraft(f"context: must be floating point [rows, {width}], got "
+                                     f"{str(r.context.dtype).removeprefix('torch.')}{list(r.context.shape)}")
+            if not 1 < r.block_size <= self.drafter.block_size:
+                raise MalformedDraft(f"block_size: {r.block_size} outside [2, {self.drafter.block_size}]")
+            if not 0 <= r.last_token < vocab:
+                raise MalformedDraft(f"last_token: {r.last_token} outside the vocabulary [0, {vocab})")
+            if r.context_start + r.context.shape[0] >= MAX_POSITION:
+                raise MalformedDraft(f"context_start: {r.context_start} is beyond any position")
 
     def release(self, session_id: str) -> None:
         with self._lock:
@@ -84,12 +117,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return self._serve(request_iterator, context, one=False)
 
     def _serve(self, request_iterator, context, one: bool) -> drafter_pb2.DraftBatchReply:
-        try:
-            requests = codec.join_draft_batch(request_iterator)
+        try:  # every check of what the caller sent, before any drafting
+            requests = codec.join_draft_batch(_decoded(request_iterator))
+            if one and len(requests) != 1:
+                raise MalformedDraft("Draft carries one session; use DraftBatch for more")
+            self.sessions.check(requests)
         except DFlashError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if one and len(requests) != 1:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Draft carries one session; use DraftBatch for more")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, clip(str(exc)))
         with self._count_lock:
             self.num_inflight += len(requests)
         try:
@@ -110,7 +144,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             try:
                 drafts = self.sessions.draft_batch(requests)
             except DFlashError as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, clip(str(exc)))
             span.set_attributes({"dflash.drafter.rebuilt": any(r.restart for r in requests),
                                  "dflash.drafter.missing": sum(d is None for d in drafts)})
             ms = (time.perf_counter() - t0) * 1000
@@ -121,10 +155,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             return drafter_pb2.DraftBatchReply(replies=replies, draft_ms=ms)
 
     def Release(self, request, context):
+        if isinstance(request, MalformedMessage) or len(request.session_id) > MAX_SESSION_ID:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"session_id: not a ReleaseRequest with a session_id "
+                          f"of at most {MAX_SESSION_ID} characters")
         self.sessions.release(request.session_id)
         return drafter_pb2.ReleaseReply()
 
     def Describe(self, request, context):
+        if isinstance(request, MalformedMessage):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: not a DescribeRequest")
         d = self.sessions.drafter
         return drafter_pb2.DrafterInfo(
             replica=self.replica, block_size=d.block_size, mask_token_id=d.mask_token_id,
@@ -133,20 +172,27 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
 
 class DrafterServer:
-    """Serves a DraftSessions on host:port and advertises the address in the store while alive."""
+    """Serves a DraftSessions on host:port and advertises the address in the store while alive.
+
+    token: callers must send `authorization: Bearer <token>` ("" checks nothing); credentials: TLS
+    (drafter_auth.server_credentials), None for plaintext."""
 
     def __init__(self, sessions: DraftSessions, store: SessionStore, host: str = "127.0.0.1", port: int = 0,
-                 advertise_every_s: float = 1.0, workers: int = DrafterNetConfig.workers):
+                 advertise_every_s: float = 1.0, workers: int = DrafterNetConfig.workers, token: str = "",
+                 credentials: grpc.ServerCredentials | None = None):
         self.store = store
         self.sessions = sessions
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers),
+            interceptors=[TokenCheck(token)] if token else [],
             options=[("grpc.max_receive_message_length", 64 << 20)],
         )
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        bound = (self.server.add_secure_port(address, credentials) if credentials is not None
+                 else self.server.add_insecure_port(address))
         self.address = f"{host}:{bound}"
         self.servicer = DrafterServicer(sessions, self.address)
-        drafter_pb2_grpc.add_DrafterServicer_to_server(self.servicer, self.server)
+        add_lenient(drafter_pb2_grpc.add_DrafterServicer_to_server, self.servicer, self.server)
         self.advertise_every_s = advertise_every_s
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._advertise, daemon=True, name="drafter-advertise")
@@ -175,3 +221,11 @@ class DrafterServer:
             except DFlashError:
                 pass  # the store is down; the verifier cannot find us anyway
             self._stop.wait(self.advertise_every_s)
+
+
+def _decoded(chunks):
+    """The stream's chunks; CodecError at the first one that did not decode (servicers.py)."""
+    for chunk in chunks:
+        if isinstance(chunk, MalformedMessage):
+            raise codec.CodecError(f"the Draft stream holds a message that is not a {chunk.message_type}")
+        yield chunk

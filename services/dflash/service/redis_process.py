@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import secrets
 import shutil
 import socket
@@ -41,11 +40,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def redis_server_path() -> str | None:
     return shutil.which("redis-server")
-
-
-def redact(url: str) -> str:
-    """The URL with any password replaced by ***: for messages and logs."""
-    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
 
 
 class RedisProcess:
