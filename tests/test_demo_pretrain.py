@@ -1,16 +1,14 @@
-"""Fast checks of the demo corpus, tokenizer, resumable pretraining loop and build stages."""
+"""Fast checks of the demo corpus, tokenizer and resumable pretraining loop (the build: test_demo_build.py)."""
 
 from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from dflash.demo import corpus
-from dflash.demo.build import AR_LINEAGE, DRAFTER_LINEAGE, stage_commands
 from dflash.errors import CheckpointError
 from dflash.demo.pretrain import TrainConfig, demo_model_config, train_lm
 from dflash.demo.tokenizer import MASK_TOKEN, build_tokenizer
@@ -84,8 +82,8 @@ def test_unseen_split_is_stdlib_code_the_target_never_trained_on():
 
 
 def test_line_prompts_start_at_new_mid_file_lines():
-    """data-fresh's prompts: distinct, full length, each at a non-blank line start that no definition-start
-    prompt (cut_prompts, every earlier drafter stage's data) can begin at; deterministic per seed."""
+    """The mid-file prompts: distinct, full length, each at a non-blank line start that no definition-start
+    prompt (cut_prompts) can begin at; deterministic per seed."""
     texts = ["import os\n\ndef f(x):\n    y = x + 1\n    return y\n\n\nclass C:\n    z = f(2)\n" * 3,
              "    async def g():\n        await h()\n# comment line\nvalue = [1, 2, 3]\n" * 3]
     prompts = corpus.line_prompts(texts, 6, 30, seed=3)
@@ -95,23 +93,6 @@ def test_line_prompts_start_at_new_mid_file_lines():
         assert len(p) == 30 and p.split("\n")[0].strip() and p not in definitions
         assert not p.lstrip().startswith(("def ", "class ", "async def "))
         assert any(t.startswith(p) or ("\n" + p) in t for t in texts)
-
-
-def test_fresh_prompt_parts_continue_one_draw(tmp_path, monkeypatch):
-    """data-fresh, data-fresh2 and data-fresh3 write consecutive parts of one draw: none repeated, ids
-    continuing, each part what the stage before it left."""
-    from dflash.demo import build
-
-    parts = (("prompts-fresh.jsonl", 40), ("prompts-fresh2.jsonl", 30), ("prompts-fresh3.jsonl", 20))
-    monkeypatch.setattr(build, "FRESH_PARTS", parts)
-    texts_by_split = {"train": corpus.load_texts("train", max_files=6), "unseen": []}
-    monkeypatch.setattr(corpus, "load_texts", lambda split, **_: texts_by_split[split])
-    for part in range(len(parts)):
-        build.write_fresh_prompts(tmp_path, part)
-    records = [json.loads(line) for name, _ in parts for line in (tmp_path / name).read_text().splitlines()]
-    assert [r["id"] for r in records] == [f"fresh-{i}" for i in range(90)]
-    assert [r["prompt"] for r in records] == corpus.fresh_prompts(90, seed=build.SEED)
-    assert len({r["prompt"] for r in records}) == 90
 
 
 def test_tokenizer_round_trip_and_mask(tok_dir):
@@ -172,101 +153,3 @@ def test_init_from_extends_a_finished_run(tok_dir, texts, tmp_path):
     with pytest.raises(CheckpointError, match="num_hidden_layers=1 but the flags build num_hidden_layers=2"):
         train_lm(wider, tok_dir, tmp_path / "bad", TrainConfig(steps=2, batch_size=4, seq_len=32),
                  texts=texts, heldout_texts=texts[:1], progress=False, init_from=first / "final")
-
-
-def test_build_keeps_each_models_best_run_by_its_own_validation_measure(tmp_path):
-    """final_dirs: the drafter with the highest last held-out tau, the AR draft with the lowest held-out
-    loss; an extension must be strictly better; unfinished runs are not candidates."""
-    from dflash.demo.build import final_dirs
-    from dflash.errors import DFlashError
-
-    def drafter_run(name, taus, finished=True):
-        d = tmp_path / name
-        d.mkdir()
-        (d / "train_log.jsonl").write_text("".join(
-            json.dumps({"event": "eval", "step": i, "tau": t}) + "\n" for i, t in enumerate(taus)))
-        if finished:
-            (d / "model.safetensors").write_bytes(b"")
-
-    def ar_run(name, loss, finished=True):
-        (tmp_path / name / "final").mkdir(parents=True)
-        (tmp_path / name / "final" / "config.json").write_text("{}")
-        if finished:  # metrics.json is written last
-            (tmp_path / name / "metrics.json").write_text(json.dumps({"heldout_loss": loss}))
-
-    with pytest.raises(DFlashError, match="no finished drafter"):
-        final_dirs(tmp_path)
-    drafter_run("drafter", [2.0, 2.3])
-    drafter_run("drafter-extended", [2.9, 2.3])  # the last eval counts, and a tie keeps the first run
-    drafter_run("drafter-more", [3.5], finished=False)
-    ar_run("ar-draft", 5.0)
-    ar_run("ar-draft-extended", 5.3)
-    ar_run("ar-draft-more", None, finished=False)
-    assert final_dirs(tmp_path) == (tmp_path / "drafter", tmp_path / "ar-draft" / "final")
-    (tmp_path / "drafter-more" / "model.safetensors").write_bytes(b"")
-    (tmp_path / "ar-draft-more" / "metrics.json").write_text(json.dumps({"heldout_loss": 4.0}))
-    assert final_dirs(tmp_path) == (tmp_path / "drafter-more", tmp_path / "ar-draft-more" / "final")
-
-
-def test_build_lineage_is_what_the_stages_run(tmp_path):
-    """The curves and the selection read DRAFTER_LINEAGE / AR_LINEAGE: every run there is a stage's --out, and
-    starts from the weights of the parent the lineage names."""
-    outputs = {}
-    for cmd in stage_commands(tmp_path).values():
-        if "train" in cmd or "dflash.demo.pretrain" in cmd:
-            outputs[Path(cmd[cmd.index("--out") + 1]).name] = cmd
-    # ... and every model a stage trains (but the target) is in a lineage, so the selection sees it
-    assert set(outputs) - {"target"} == {run for run, _, _ in DRAFTER_LINEAGE + AR_LINEAGE}
-    for run, parent, _ in DRAFTER_LINEAGE + AR_LINEAGE:
-        cmd = outputs[run]
-        flags = [f for f in ("--init-drafter", "--init-from") if f in cmd]
-        if parent is None:
-            assert not flags, run
-        else:
-            assert Path(cmd[cmd.index(flags[0]) + 1]).relative_to(tmp_path).parts[0] == parent, run
-
-
-def test_restore_seeds_a_lost_work_directory_from_an_installed_pair(tmp_path):
-    """`--stages restore`: the installed target, tokenizer, drafter and AR draft land where the later stages
-    and the selection look for them; the drafter's held-out tau is measured again with the restored target;
-    after install, the runs that are gone keep their recorded measures; what exists is kept."""
-    from tiny import char_tokenizer, tiny_drafter, tiny_target
-
-    from dflash.demo.build import _selection, final_dirs, restore
-    from dflash.drafter.checkpoint import save_drafter
-    from dflash.errors import DFlashError
-
-    src, work = tmp_path / "installed", tmp_path / "work"
-    target = tiny_target(layers=3)
-    for name, model in (("target", target), ("ar-draft", tiny_target(layers=1, seed=3))):
-        model.save_pretrained(src / name)
-        char_tokenizer().save_pretrained(src / name)
-    save_drafter(tiny_drafter(target, num_layers=1), src / "drafter")
-    with pytest.raises(DFlashError, match="no manifest.json"):
-        restore(work, src)
-    manifest = {"installed": {"drafter": "runs/demo/drafter-fresh", "ar_draft": "runs/demo/ar-draft-fresh2/final"},
-                "target_metrics": {"heldout_loss": 3.7}, "ar_draft_metrics": {"heldout_loss": 4.3}}
-    (src / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(DFlashError, match="lacks 'selection'"):
-        restore(work, src)
-    manifest["selection"] = {"drafter_heldout_tau": {"drafter-spread": 2.9, "drafter-fresh": 3.1},
-                             "ar_draft_heldout_loss": {"ar-draft-fresh": 4.4, "ar-draft-fresh2": 4.3}}
-    (src / "manifest.json").write_text(json.dumps(manifest))
-
-    restore(work, src)
-    assert (work / "target" / "final" / "model.safetensors").is_file()
-    assert json.loads((work / "target" / "metrics.json").read_text()) == {"heldout_loss": 3.7}
-    assert AutoTokenizer.from_pretrained(str(work / "tokenizer")).mask_token == "<|MASK|>"
-    assert len((work / "heldout.jsonl").read_text().splitlines()) == 24
-    (event,) = [json.loads(line) for line in (work / "drafter-fresh" / "train_log.jsonl").read_text().splitlines()]
-    assert event["event"] == "eval" and event["rounds"] > 0 and event["tau"] >= 1.0
-    assert final_dirs(work) == (work / "drafter-fresh", work / "ar-draft-fresh2" / "final")
-    selection = _selection(work)
-    assert selection["drafter_heldout_tau"] == {"drafter-spread": 2.9, "drafter-fresh": event["tau"]}  # measured again
-    assert selection["ar_draft_heldout_loss"] == {"ar-draft-fresh": 4.4, "ar-draft-fresh2": 4.3}
-    assert selection["restored_from"] == manifest["installed"]
-
-    log = (work / "drafter-fresh" / "train_log.jsonl").read_text() + json.dumps({"event": "eval", "tau": 9.0}) + "\n"
-    (work / "drafter-fresh" / "train_log.jsonl").write_text(log)
-    restore(work, src)  # a second restore keeps what is there
-    assert (work / "drafter-fresh" / "train_log.jsonl").read_text() == log

@@ -81,7 +81,7 @@ def list_files(split: Split = "train", root: Path | None = None) -> list[Path]:
     "heldout": :data:`HELD_OUT_MODULES`; "unseen": the stdlib's test/tool folders, which the target
     never trains on (drafter data only, never evaluation). Files above :data:`MAX_FILE_BYTES` are left out.
     "unseen" includes the test suites of held-out modules (test_heapq.py, test_json/, ...): they call
-    those modules but do not contain their source; 113 of the 6000 demo build's unseen prompts come from
+    those modules but do not contain their source; 113 of the demo build's 6000 unseen prompts come from
     files named like them, and none of the 24 evaluation prompts occurs in any unseen file.
     """
     if split not in ("train", "heldout", "unseen"):
@@ -179,9 +179,9 @@ def training_prompts(n: int, prompt_chars: int = 300, seed: int = 0) -> list[str
     return cut_prompts(load_texts("train"), n, prompt_chars, seed)
 
 
-def fresh_prompts(n: int, prompt_chars: int = 300, seed: int = 0) -> list[str]:
-    """Return ``n`` deterministic prompts from mid-file lines of the training and unseen files: text mostly
-    new to a drafter trained on definition-start prompts (a line just above a definition overlaps one)."""
+def midfile_prompts(n: int, prompt_chars: int = 300, seed: int = 0) -> list[str]:
+    """Return ``n`` deterministic prompts from mid-file lines of the training and unseen files: text that
+    definition-start prompts do not begin with (a line just above a definition overlaps one)."""
     return line_prompts(load_texts("train") + load_texts("unseen"), n, prompt_chars, seed)
 
 

@@ -7,6 +7,8 @@ Saved as a Hugging Face ``PreTrainedTokenizerFast`` directory, so that
 from __future__ import annotations
 
 import argparse
+import shutil
+import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -55,11 +57,17 @@ def build_tokenizer(
     max_files: int | None = None,
     texts: list[str] | None = None,
 ) -> PreTrainedTokenizerFast:
-    """Train on the corpus train split (or ``texts``) and save to ``out_dir``."""
+    """Train on the corpus train split (or ``texts``) and save to ``out_dir``; tokenizer.json lands last,
+    so an interrupted save leaves none and :func:`ensure_tokenizer` trains again."""
     if texts is None:
         texts = corpus.load_texts("train", max_files=max_files)
     tokenizer = train_tokenizer(texts, vocab_size)
-    tokenizer.save_pretrained(str(out_dir))
+    out_dir = Path(out_dir)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent if out_dir.parent.is_dir() else None) as tmp:
+        tokenizer.save_pretrained(tmp)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for path in sorted(Path(tmp).iterdir(), key=lambda p: p.name == "tokenizer.json"):
+            shutil.move(str(path), out_dir / path.name)
     return tokenizer
 
 
@@ -76,12 +84,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="runs/demo/tokenizer")
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    parser.add_argument("--max-files", type=int, default=None, help="the first N training files (default all)")
     parser.add_argument("--force", action="store_true", help="retrain even if present")
     args = parser.parse_args(argv)
     if args.force:
-        build_tokenizer(args.out, args.vocab_size)
+        build_tokenizer(args.out, args.vocab_size, max_files=args.max_files)
     else:
-        ensure_tokenizer(args.out, vocab_size=args.vocab_size)
+        ensure_tokenizer(args.out, vocab_size=args.vocab_size, max_files=args.max_files)
     print(f"tokenizer in {args.out}")
 
 
