@@ -1,6 +1,7 @@
 """The committed demo pair: it loads, it is lossless, and its manifest tells how it was made."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -29,11 +30,41 @@ def test_demo_pair_is_lossless_on_heldout_prompts(engines):
     assert max(taus) > 1.0  # the trained drafter is accepted at least sometimes
 
 
-def test_manifest_records_commands_seeds_and_measured_tau():
+def test_manifest_records_how_the_shipped_pair_was_made():
+    """The shipped pair came from a longer path of runs than `dflash demo build`'s recipe: the manifest lists
+    every run (its command, the run it started from, data, steps, validation measure, kept or not), and the
+    runs kept lead from a random init to the shipped models."""
     manifest = json.loads((DEMO_DIR / "manifest.json").read_text())
-    assert set(manifest["commands"]) >= {"tokenizer", "target", "drafter", "ar-draft"}
     assert manifest["seed"] == 0
     taus = {(r["method"].split()[0], r["block_size"], r["temperature"]): r["tau"] for r in manifest["eval"]["results"]}
     assert ("dflash", 16, 0.0) in taus and ("dflash", 8, 1.0) in taus
+    history = manifest["history"]
+    runs = {row["run"]: row for row in history}
+    assert len(runs) == len(history) and all(row["command"].startswith("python -m dflash.") for row in history)
+    for i, row in enumerate(history):
+        if row["model"] in ("drafter", "ar-draft"):
+            assert row["steps"] > 0 and ("heldout_tau" in row) != ("heldout_loss" in row), row["run"]
+            if "start" in row:  # an earlier run of the same model, named in the command
+                assert history.index(runs[row["start"]]) < i and runs[row["start"]]["model"] == row["model"]
+                assert runs[row["start"]]["kept"] and f"runs/demo/{row['start']}" in row["command"]
+    shipped = {row["model"]: row for row in history if row.get("shipped")}
+    assert set(shipped) == {"drafter", "ar-draft"}
+    assert manifest["drafter_metrics"]["heldout_tau"] == shipped["drafter"]["heldout_tau"]
+    assert manifest["ar_draft_metrics"]["heldout_loss"] == shipped["ar-draft"]["heldout_loss"]
     assert (DEMO_DIR / "training_curves.png").is_file()
     assert (DEMO_AR_DRAFT / "config.json").is_file()
+
+
+def test_docs_table_is_the_manifest_history():
+    """docs/training.md's record of the demo pair has one row per model run of the manifest, with its steps and
+    held-out measure."""
+    manifest = json.loads((DEMO_DIR / "manifest.json").read_text())
+    docs = (Path(__file__).parents[1] / "docs" / "training.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`"): line for line in docs.splitlines() if line.startswith("| `")}
+    for run in (row for row in manifest["history"] if row["model"] in ("target", "drafter", "ar-draft")):
+        line = rows[run["run"]]
+        measure = run.get("heldout_tau", run.get("heldout_loss"))
+        if measure is not None:
+            assert f"{measure:.2f}" in line, run["run"]
+        if "steps" in run:
+            assert f"| {run['steps']} |" in line, run["run"]
