@@ -3,8 +3,10 @@
 `build(args)` is the application builder the Helm chart's serveConfigV2 points at
 (`import_path: dflash.service.app:build`, `args:` = the ServiceConfig tree). The public gRPC port is
 Ray Serve's gRPC proxy, started with `grpc_options()`; the ingress deployment implements
-dflash.v1.Generation and grpc.health.v1.Health (reflection is the proxy's own).
-Drafter replicas serve the internal Drafter API on their own ports and advertise them in Redis.
+dflash.v1.Generation, grpc.health.v1.Health (open: probes carry no token) and server reflection
+(behind the token when auth is on), registered by servicers.py so that undecodable bytes reach the
+ingress and get INVALID_ARGUMENT. Drafter replicas serve the internal Drafter API on their own ports,
+behind the shared drafter_net token, and advertise them in Redis.
 """
 
 from __future__ import annotations
@@ -18,15 +20,16 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from .config import ConfigError, ServiceConfig
-from .ingress import Ingress, Rejected
+from .ingress import Ingress, Rejected, check_decoded
 from .messages import StreamError
 from .metrics import ServiceMetrics
 from .session_store import open_store
 
 SERVICERS = (
-    "dflash.api.v1.generate_pb2_grpc.add_GenerationServicer_to_server",
-    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+    "dflash.service.servicers.add_GenerationServicer_to_server",
+    "dflash.service.servicers.add_HealthServicer_to_server",
 )
+REFLECTION = "dflash.service.servicers.add_ServerReflectionServicer_to_server"
 
 
 def _store(config: ServiceConfig):
@@ -53,13 +56,19 @@ class IngressDeployment:
         self.store = _store(self.config)
 
     async def Generate(self, request, grpc_context):
-        metadata = {k: v for k, v in grpc_context.invocation_metadata() if isinstance(v, str)}
         try:
-            async for chunk in self.ingress.generate(request, metadata, self._open_stream):
+            async for chunk in self.ingress.generate(request, _metadata(grpc_context), self._open_stream):
                 yield chunk
         except Rejected as exc:
-            grpc_context.set_code(getattr(grpc.StatusCode, exc.code))
-            grpc_context.set_details(exc.message)
+            _set_status(grpc_context, exc)
+            raise
+
+    async def ServerReflectionInfo(self, request_stream, grpc_context):
+        try:
+            async for reply in self.ingress.reflect(request_stream, _metadata(grpc_context)):
+                yield reply
+        except Rejected as exc:
+            _set_status(grpc_context, exc)
             raise
 
     async def _open_stream(self, verify, carrier):
@@ -75,6 +84,11 @@ class IngressDeployment:
     async def Check(self, request, grpc_context):
         from grpc_health.v1 import health_pb2
 
+        try:
+            check_decoded(request)
+        except Rejected as exc:
+            _set_status(grpc_context, exc)
+            raise
         try:
             await asyncio.to_thread(self.store.ping)
             status = health_pb2.HealthCheckResponse.SERVING
@@ -115,6 +129,7 @@ class DrafterDeployment:
     """Owns a DFlash drafter (+ the target's embedding and LM head); serves the internal Drafter API."""
 
     def __init__(self, config: dict):
+        from . import drafter_auth
         from .drafter_server import DrafterServer
         from .parts import build_draft_sessions, set_threads
 
@@ -123,8 +138,9 @@ class DrafterDeployment:
         _setup(cfg, "dflash-drafter")
         store = _store(cfg)
         net = cfg.drafter_net
-        self.server = DrafterServer(build_draft_sessions(cfg), store, net.host, net.port,
-                                    workers=net.workers).start()
+        self.server = DrafterServer(build_draft_sessions(cfg), store, net.host, net.port, workers=net.workers,
+                                    token=net.token, credentials=drafter_auth.server_credentials(net)).start()
+        drafter_auth.warn_if_open(net, self.server.address)
 
     def address(self) -> str:
         return self.server.address
@@ -156,6 +172,18 @@ def build(args: dict | None = None):
 
 
 def grpc_options(config: ServiceConfig):
+    """Serve's gRPC proxy options: the proxy's own reflection stays off (it would answer anyone); the
+    ingress answers reflection instead, when config.reflection is on."""
     from ray.serve.config import gRPCOptions
 
-    return gRPCOptions(port=config.grpc_port, grpc_servicer_functions=list(SERVICERS))
+    functions = [*SERVICERS, REFLECTION] if config.reflection else list(SERVICERS)
+    return gRPCOptions(port=config.grpc_port, grpc_servicer_functions=functions, enable_reflection=False)
+
+
+def _metadata(grpc_context) -> dict[str, str]:
+    return {k: v for k, v in grpc_context.invocation_metadata() if isinstance(v, str)}
+
+
+def _set_status(grpc_context, exc: Rejected) -> None:
+    grpc_context.set_code(getattr(grpc.StatusCode, exc.code))
+    grpc_context.set_details(exc.message)

@@ -1,12 +1,14 @@
 """The public edge: checks a GenerateRequest (auth, size, fields), opens the request span, relays the
-verifier's stream. Never imports torch: it runs on CPU-only proxy nodes.
+verifier's stream; answers server reflection behind the same token. Never imports torch: it runs on
+CPU-only proxy nodes.
 """
 
 from __future__ import annotations
 
 import hmac
+import re
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 
 from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry import trace
@@ -16,9 +18,11 @@ from ..errors import InvalidRequestError
 from ..params import SamplingParams
 from . import tracing
 from .config import ServiceConfig
-from .messages import StreamError, VerifyRequest
+from .messages import MalformedMessage, StreamError, VerifyRequest, public_message
 from .metrics import ServiceMetrics
 
+# What a resuming client may send as session_id: ids this server issues are 32 hex digits.
+SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "block_size", "draft_confidence")
 LIST_FIELDS = ("stop", "stop_token_ids")
 
@@ -42,6 +46,7 @@ class Ingress:
     def __init__(self, config: ServiceConfig, metrics: ServiceMetrics | None = None):
         self.config = config
         self.metrics = metrics or ServiceMetrics("none")
+        self._reflection = None  # built at the first reflection call
 
     async def generate(self, request: generate_pb2.GenerateRequest, metadata: Mapping[str, str],
                        open_stream: OpenStream) -> AsyncIterator[generate_pb2.GenerateChunk]:
@@ -55,7 +60,7 @@ class Ingress:
                 span.set_attribute("dflash.resumed", verify.resume)
                 async for item in open_stream(verify, tracing.carrier()):
                     if isinstance(item, StreamError):
-                        raise Rejected(item.code, item.message)
+                        raise Rejected(item.code, public_message(item.message))
                     if item.HasField("final"):
                         f = item.final
                         span.set_attributes(tracing.final_attributes(
@@ -70,6 +75,7 @@ class Ingress:
     def admit(self, request: generate_pb2.GenerateRequest, metadata: Mapping[str, str]) -> VerifyRequest:
         """Auth, size and field checks; a VerifyRequest for the verifier, or Rejected naming the field."""
         self._check_auth(metadata)
+        check_decoded(request)
         limits = self.config.limits
         if request.ByteSize() > limits.max_request_bytes:
             raise Rejected("INVALID_ARGUMENT", f"request: {request.ByteSize()} bytes exceeds the limit of "
@@ -100,7 +106,31 @@ class Ingress:
             raise Rejected("INVALID_ARGUMENT", str(exc)) from None
         return VerifyRequest(uuid.uuid4().hex, params, request.prompt, tuple(request.prompt_token_ids))
 
+    async def reflect(self, requests: AsyncIterable, metadata: Mapping[str, str]) -> AsyncIterator:
+        """Server reflection (grpc.reflection.v1alpha) for dflash.v1.Generation and the health service:
+        what `grpcurl list` and `describe` read. Rejected without the token when auth is on, and for a
+        request that is not a ServerReflectionRequest."""
+        from grpc_reflection.v1alpha import reflection
+
+        self._check_auth(metadata)
+        if self._reflection is None:
+            from grpc_health.v1 import health_pb2  # noqa: F401 (its descriptors must be in the pool)
+
+            self._reflection = reflection.aio.ReflectionServicer(
+                ("dflash.v1.Generation", "grpc.health.v1.Health", reflection.SERVICE_NAME))
+
+        async def decoded():
+            async for request in requests:
+                check_decoded(request)
+                yield request
+
+        async for reply in self._reflection.ServerReflectionInfo(decoded(), None):
+            yield reply
+
     def _resumption(self, request: generate_pb2.GenerateRequest) -> VerifyRequest:
+        if not SESSION_ID.fullmatch(request.session_id):
+            raise Rejected("INVALID_ARGUMENT", f"session_id: must be 1 to 128 letters, digits, '.', '_', ':' or "
+                           f"'-' (the id this server sent), got {len(request.session_id)} characters")
         for f in ("prompt", "prompt_token_ids", *SAMPLING_FIELDS, *LIST_FIELDS, "ignore_eos"):
             value = getattr(request, f)
             if (request.HasField(f) if f in SAMPLING_FIELDS else bool(value)):
@@ -114,3 +144,10 @@ class Ingress:
         sent = metadata.get("authorization", "")
         if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
             raise Rejected("UNAUTHENTICATED", "authorization: send metadata 'authorization: Bearer <token>'")
+
+
+def check_decoded(request) -> None:
+    """Rejected (INVALID_ARGUMENT) for bytes that did not decode as the request (servicers.py)."""
+    if isinstance(request, MalformedMessage):
+        raise Rejected("INVALID_ARGUMENT", f"request: not a valid {request.message_type} ({request.reason}); "
+                       "check the client's proto")
