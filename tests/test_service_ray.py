@@ -1,9 +1,11 @@
 """The service on real Ray Serve (gRPC proxy), real gRPC clients and a real redis-server, over loopback.
 
-One Ray instance for the module (Ray on this 2-core machine costs tens of seconds to start); the
-application is deployed co-located first, then disaggregated with two drafter replicas. Every deployment
-requires a bearer token (checked by the ingress replica behind Ray's proxy), and every replica writes
-its spans to a per-process JSON-lines file, so one request's spans across processes can be checked.
+One Ray instance for the module (Ray on this 2-core machine costs tens of seconds to start), started
+as `dflash serve` starts it: the launcher's own redis-server (generated password, supervised) and its
+generated drafter token. The application is deployed co-located first, then disaggregated with two
+drafter replicas. Every deployment requires a bearer token (checked by the ingress replica behind
+Ray's proxy), and every replica writes its spans to a per-process JSON-lines file, so one request's
+spans across processes can be checked.
 """
 
 import json
@@ -21,7 +23,7 @@ from dflash.params import SamplingParams
 from dflash.service.client import GenerationClient
 from dflash.service.config import ServiceConfig
 from dflash.service.redis_process import free_port
-from service_fixtures import model_dirs, redis_server  # noqa: F401
+from service_fixtures import model_dirs  # noqa: F401
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -55,13 +57,13 @@ START_ERROR = []  # pytest retries a failed module fixture for every test; Ray's
 
 
 @pytest.fixture(scope="module")
-def service(model_dirs, redis_server):
+def service(model_dirs):  # noqa: F811
     from dflash.service.launcher import start_local
 
     if START_ERROR:
         pytest.fail(f"the service did not start: {START_ERROR[0]}")
-    try:
-        svc = start_local(config_tree(model_dirs, redis_server.url, "colocated"), num_cpus=2)
+    try:  # redis.url "": the launcher starts its own redis-server, as `dflash serve` does
+        svc = start_local(config_tree(model_dirs, "", "colocated"), num_cpus=2)
     except Exception as exc:
         START_ERROR.append(f"{type(exc).__name__}: {exc}")
         raise
@@ -125,17 +127,90 @@ def test_bad_requests_are_invalid_argument_naming_the_field(client, fields, name
     assert err.value.details().startswith(named), err.value.details()
 
 
-def test_health_and_reflection(service):
+def test_health_is_open_and_reflection_follows_auth(service):
+    """Health answers probes, which carry no token; reflection lists the API only to callers with it."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    def list_services(channel, metadata=()):
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        [answer] = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                             timeout=60, metadata=metadata)
+        return {s.name for s in answer.list_services_response.service}
 
     with grpc.insecure_channel(service.address) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        [answer] = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=30)
-        names = {s.name for s in answer.list_services_response.service}
-        assert "dflash.v1.Generation" in names
+        for metadata in ((), (("authorization", "Bearer wrong"),)):
+            with pytest.raises(grpc.RpcError) as err:
+                list_services(channel, metadata)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        names = list_services(channel, (("authorization", f"Bearer {TOKEN}"),))
+        assert {"dflash.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def test_the_public_port_listens_on_the_configured_host_only(service):
+    """grpc_host 127.0.0.1 (the default): Serve's gRPC proxy listens on loopback alone (Ray binds
+    [::] unless the launcher's hook tells it otherwise), as do its HTTP proxy, Redis and the
+    launcher's other ports; the port does not answer on this machine's other address."""
+    import socket
+
+    import psutil
+
+    listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    public = {c.laddr.ip for c in listening if c.laddr.port == service.config.grpc_port}
+    assert public and public <= {"127.0.0.1", "::ffff:127.0.0.1"}, public
+    node_ip = ray.util.get_node_ip_address()
+    if not node_ip.startswith("127."):
+        from dflash.service.launcher import check_listens_only_on
+
+        with pytest.raises(OSError):
+            socket.create_connection((node_ip, service.config.grpc_port), timeout=2).close()
+        check_listens_only_on("127.0.0.1", service.config.grpc_port, node_ip)  # what start_local checked
+    assert {c.laddr.ip for c in listening if c.laddr.port == service.redis.port} == {"127.0.0.1"}
+
+
+def test_a_tiny_temperature_decodes_greedily(client, reference):
+    chunks = collect(client.generate(prompt=PROMPTS[1], max_new_tokens=24, ignore_eos=True, temperature=1e-40))
+    assert tokens(chunks) == want(reference, PROMPTS[1]) and chunks[-1][1].final.finish_reason == "length"
+
+
+@pytest.mark.parametrize("session_id", ["x" * 100_000, "a b/c"], ids=["100KB", "bad-characters"])
+def test_bad_session_ids_are_invalid_argument_without_an_echo(client, session_id):
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.resume(session_id, 1))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("session_id: must be 1 to 128") and len(err.value.details()) < 200
+
+
+@pytest.mark.parametrize("method, data", [
+    ("/dflash.v1.Generation/Generate", b"\xff\xfe\xfd random"),
+    ("/dflash.v1.Generation/Generate", b"\x0a\xff\xff\xff\xff\x0f"),  # a length past the end
+    ("/dflash.v1.Generation/Generate", b"\x08"),  # a truncated varint
+    ("/grpc.health.v1.Health/Check", b"\xff\xfe"),
+], ids=["random", "length-past-the-end", "truncated-varint", "health"])
+def test_malformed_protobuf_is_invalid_argument(service, method, data):
+    """Ray's proxy decodes a request before routing it; registered by servicers.py, bytes it cannot
+    decode reach the ingress, which answers INVALID_ARGUMENT (not UNKNOWN "Unexpected DecodeError")."""
+    with grpc.insecure_channel(service.address) as channel:
+        call = channel.unary_stream(method) if method.endswith("Generate") else channel.unary_unary(method)
+        with pytest.raises(grpc.RpcError) as err:
+            reply = call(data, timeout=60, metadata=[("authorization", f"Bearer {TOKEN}")])
+            list(reply) if method.endswith("Generate") else reply
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert err.value.details().startswith("request: not a valid ")
+
+
+def test_the_embedded_redis_has_a_password_no_command_line_shows(service):
+    import psutil
+    import redis
+
+    password = service.redis.password
+    assert password and f":{password}@" in service.config.redis.url
+    for process in psutil.process_iter(["cmdline"]):
+        assert password not in " ".join(process.info["cmdline"] or ()), process.pid
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(host="127.0.0.1", port=service.redis.port).get("x")
 
 
 @pytest.mark.parametrize("token", ["", "wrong"])
@@ -189,6 +264,27 @@ def test_disaggregated_drafter_killed_and_verifier_killed(service, model_dirs, r
         assert received + rest == want(reference, PROMPTS[3], 40)
 
 
+def test_drafter_replicas_refuse_calls_without_the_token(service):
+    """The launcher generated drafter_net.token; the replicas of the disaggregated deployment refuse
+    whoever does not send it, and answer the verifier, who does."""
+    from dflash.api.internal.v1 import drafter_pb2, drafter_pb2_grpc
+    from dflash.service.drafter_client import describe
+    from dflash.service.session_store import RedisSessionStore
+
+    net = service.config.drafter_net
+    assert len(net.token) >= 32
+    replicas = RedisSessionStore(service.config.redis.url).drafters()
+    assert len(replicas) == 2
+    for address in replicas:
+        with grpc.insecure_channel(address) as channel:
+            stub = drafter_pb2_grpc.DrafterStub(channel)
+            for metadata in ((), (("authorization", "Bearer wrong"),)):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Describe(drafter_pb2.DescribeRequest(), timeout=30, metadata=metadata)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert describe(address, net=net).block_size > 1
+
+
 def test_overload_is_resource_exhausted(service, client):
     """The disaggregated deployment admits 4 running + 1 queued verifier requests."""
     errors, lock = [], threading.Lock()
@@ -208,10 +304,12 @@ def test_overload_is_resource_exhausted(service, client):
     assert grpc.StatusCode.RESOURCE_EXHAUSTED in errors
 
 
-def test_redis_restart_keeps_sessions_and_outage_is_unavailable(service, client, redis_server, reference):
+def test_redis_restart_keeps_sessions_and_outage_is_unavailable(service, client, reference):
     """Redis restarted mid-stream (AOF on): the session survives and the client gets all its tokens.
     Redis down: UNAVAILABLE with a clear message and health NOT_SERVING; back up: served again."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    redis_server = service.redis  # the launcher's; stop() is deliberate, so its supervisor stands by
 
     received, session = [], None
     try:
@@ -231,12 +329,40 @@ def test_redis_restart_keeps_sessions_and_outage_is_unavailable(service, client,
         with pytest.raises(grpc.RpcError) as err:
             list(client.generate(prompt=PROMPTS[1], max_new_tokens=8))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "Redis" in err.value.details()
+        assert redis_server.password not in err.value.details()  # the URL in the message is redacted
         with grpc.insecure_channel(service.address) as channel:
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=60)
         assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         redis_server.start()
     assert tokens(collect(client.generate(prompt=PROMPTS[1], max_new_tokens=24, ignore_eos=True))) == want(reference, PROMPTS[1])
+
+
+def test_a_killed_redis_comes_back_and_health_with_it(service, client, reference, caplog):
+    """SIGKILL the redis-server the launcher started: its supervisor restarts it (same directory, same
+    port, AOF), logs it, and health is SERVING again with nobody acting; requests are served again."""
+    import logging
+    import os
+    import signal
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    redis_server = service.redis
+    restarts, pid = redis_server.restarts, redis_server.process.pid
+    with caplog.at_level(logging.WARNING, logger="dflash.service"):
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        with grpc.insecure_channel(service.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                time.sleep(0.5)
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=60).status
+                if redis_server.restarts > restarts and status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+                assert time.monotonic() < deadline, "health did not come back by itself"
+    assert redis_server.process.pid != pid
+    assert any("restarted" in r.getMessage() for r in caplog.records)
+    assert tokens(collect(client.generate(prompt=PROMPTS[0], max_new_tokens=24, ignore_eos=True))) == want(reference, PROMPTS[0])
 
 
 def read_spans() -> list[dict]:

@@ -22,6 +22,8 @@ def register(sub) -> None:
     p.add_argument("--drafter", help="DFlash drafter directory or hub id (default: the demo drafter)")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--mode", choices=("colocated", "disaggregated"), help="drafter inside the verifier, or separate replicas")
+    p.add_argument("--host", help="address the public gRPC port listens on (default 127.0.0.1; 0.0.0.0: every "
+                   "interface)")
     p.add_argument("--port", type=int, help="public gRPC port (default 9000)")
     p.add_argument("--redis-url", help="use this Redis instead of starting one")
     p.add_argument("--drafter-replicas", type=int, help="drafter replicas in disaggregated mode")
@@ -37,18 +39,19 @@ def run(args: argparse.Namespace) -> int:
 
     from ..service.config import load_config
     from ..service.launcher import start_local
+    from ..service.messages import redact_credentials
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = load_config(args.config or os.environ.get("DFLASH_CONFIG"), overrides={
         "model.target": args.target, "model.drafter": args.drafter, "model.device": args.device,
-        "mode": args.mode, "grpc_port": args.port, "redis.url": args.redis_url,
+        "mode": args.mode, "grpc_host": args.host, "grpc_port": args.port, "redis.url": args.redis_url,
         "drafter.num_replicas": args.drafter_replicas, "tls.cert_file": args.tls_cert,
         "tls.key_file": args.tls_key, "tls.client_ca_file": args.tls_client_ca,
     })
     service = start_local(config, num_cpus=args.num_cpus)
     tls = " over TLS" if service.config.tls.enabled else ""
     print(f"dflash: serving dflash.v1.Generation on {service.address}{tls} ({service.config.mode}, "
-          f"sessions in {service.config.redis.url}); Ctrl-C stops", file=sys.stderr, flush=True)
+          f"sessions in {redact_credentials(service.config.redis.url)}); Ctrl-C stops", file=sys.stderr, flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

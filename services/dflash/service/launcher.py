@@ -2,15 +2,22 @@
 
 Used by `dflash serve` and by the service tests. On a cluster, the Helm chart deploys `app.build` through
 KubeRay's serveConfigV2 instead, with the same configuration tree.
+
+What it protects (docs/security.md): Serve's gRPC proxy listens on grpc_host only (loopback by
+default), its HTTP proxy on loopback; the redis-server child listens on loopback with a generated
+password and is restarted when it dies; the drafter replicas get a generated shared token.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
+import socket
 import tempfile
 import time
 
+from ..errors import DFlashError
 from .config import ServiceConfig, TlsConfig
 from .redis_process import RedisProcess, free_port, redis_server_path
 from .tls_front import FrontThread, TlsFront
@@ -34,7 +41,7 @@ class LocalService:
 
         from .app import build
 
-        config = dataclasses.replace(config, redis=dataclasses.replace(config.redis, url=self.config.redis.url))
+        config = _with_secrets_of(config, self.config)
         serve.run(build(config.to_dict()), name=config.app_name, route_prefix="/", blocking=False)
         _wait_running(config.app_name, timeout_s)
         self.config = config
@@ -58,7 +65,7 @@ def resolve_redis(config: ServiceConfig) -> tuple[ServiceConfig, RedisProcess | 
     if config.redis.url:
         return config, None
     if redis_server_path() is not None:
-        server = RedisProcess(tempfile.mkdtemp(prefix="dflash-redis-")).start()
+        server = RedisProcess(tempfile.mkdtemp(prefix="dflash-redis-"), supervise=True).start()
         url = server.url
     else:
         log.warning("redis-server is not installed: sessions live in the verifier's memory (co-located mode only; "
@@ -72,32 +79,88 @@ def resolve_redis(config: ServiceConfig) -> tuple[ServiceConfig, RedisProcess | 
 def start_local(config: ServiceConfig, num_cpus: int | None = None, timeout_s: float = 240) -> LocalService:
     """Start Ray (local), Serve's gRPC proxy on config.grpc_port, Redis when needed, and the application.
 
-    With TLS configured, the TLS front serves config.grpc_port and Serve's proxy listens in plaintext on
-    tls.upstream_port (or a free port); Ray binds that on every interface, so keep it firewalled.
+    With TLS configured, the TLS front serves config.grpc_host:grpc_port and Serve's proxy listens in
+    plaintext on 127.0.0.1:tls.upstream_port (or a free port).
     """
     import ray
     from ray import serve
 
     from .app import grpc_options
 
-    proxy, front = config, None
+    proxy, front, proxy_host = config, None, config.grpc_host
     if config.tls.enabled:
         proxy = dataclasses.replace(config, grpc_port=config.tls.upstream_port or free_port(), tls=TlsConfig())
+        proxy_host = "127.0.0.1"
         front = TlsFront(config.tls, f"{config.grpc_host}:{config.grpc_port}",
                          f"127.0.0.1:{proxy.grpc_port}")  # reads the certificates before Ray starts
+    if not config.drafter_net.token:  # the internal Drafter API is never open on this machine
+        config = dataclasses.replace(config, drafter_net=dataclasses.replace(config.drafter_net,
+                                                                             token=secrets.token_urlsafe(32)))
     config, redis = resolve_redis(config)
     service = LocalService(config, redis)
     try:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False,
+                 runtime_env={"worker_process_setup_hook": grpc_proxy_bind_hook(proxy_host)})
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
                     grpc_options=grpc_options(proxy))
         service.deploy(config, timeout_s)
+        check_listens_only_on(proxy_host, proxy.grpc_port, ray.util.get_node_ip_address())
         if front is not None:
             service.front = FrontThread(front).start()
     except BaseException:
         service.stop()
         raise
     return service
+
+
+def grpc_proxy_bind_hook(host: str):
+    """A Ray worker setup hook (run in every worker of this Ray job, Serve's proxy actor included) that
+    makes Serve's gRPC proxy listen on `host` rather than on every interface.
+
+    Ray Serve has no setting for it: gRPCOptions holds a port only, and Serve's start_grpc_server
+    binds f"[::]:{port}" through ray.serve._private.default_impl.add_grpc_address (Ray 2.60), the seam
+    Ray keeps for swapping implementations. The hook swaps that function for one that keeps the port
+    and takes `host`. Should a Ray version bind elsewhere, `check_listens_only_on` finds out at start.
+    """
+    bind = f"[{host}]" if ":" in host else host
+
+    def bind_serve_grpc_proxy_to_host():
+        from ray.serve._private import default_impl
+
+        add_address = getattr(default_impl, "add_grpc_address", None)
+        if add_address is None or getattr(add_address, "dflash_bound", False):
+            return
+
+        def add_grpc_address(server, address):
+            return add_address(server, f"{bind}:{address.rsplit(':', 1)[1]}")
+
+        add_grpc_address.dflash_bound = True
+        default_impl.add_grpc_address = add_grpc_address
+
+    return bind_serve_grpc_proxy_to_host
+
+
+def check_listens_only_on(host: str, port: int, other_address: str) -> None:
+    """DFlashError when `port` answers on `other_address` (another of this machine's addresses) while
+    it should listen on `host` alone; nothing to check for a wildcard host or the same address."""
+    if host in ("", "0.0.0.0", "::") or other_address in ("", host) or other_address.startswith("127."):
+        return
+    try:
+        with socket.create_connection((other_address, port), timeout=2.0):
+            pass
+    except OSError:
+        return
+    raise DFlashError(f"grpc_host: Ray Serve's gRPC proxy answers on {other_address}:{port}, not on {host} "
+                      "alone; this Ray version ignores the bind host (see docs/security.md)")
+
+
+def _with_secrets_of(config: ServiceConfig, running: ServiceConfig) -> ServiceConfig:
+    """`config` with the running service's Redis (its URL holds the generated password) and, when it
+    names none, the drafter token generated at start."""
+    net = config.drafter_net
+    if not net.token:
+        net = dataclasses.replace(net, token=running.drafter_net.token)
+    return dataclasses.replace(config, redis=dataclasses.replace(config.redis, url=running.redis.url), drafter_net=net)
 
 
 def _wait_running(app_name: str, timeout_s: float) -> None:
