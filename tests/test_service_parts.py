@@ -190,9 +190,10 @@ def test_sessions_survive_a_redis_restart(redis_server, redis_url):
 
 
 def test_unreachable_redis_is_a_clear_error():
-    store = RedisSessionStore("redis://127.0.0.1:1/0", socket_timeout_s=0.5)
-    with pytest.raises(StoreUnavailableError, match="unreachable"):
+    store = RedisSessionStore("redis://:hunter2@127.0.0.1:1/0", socket_timeout_s=0.5)
+    with pytest.raises(StoreUnavailableError, match="unreachable") as err:
         store.get("x")
+    assert "hunter2" not in str(err.value) and "redis://:***@127.0.0.1:1/0" in str(err.value)  # logs see it too
 
 
 def test_prometheus_metrics_record_rounds_requests_and_errors():

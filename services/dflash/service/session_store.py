@@ -31,6 +31,7 @@ from typing import Protocol
 from ..errors import DFlashError, InvalidRequestError
 from ..journal import CommittedRound
 from ..params import SamplingParams
+from .messages import redact_credentials
 
 RUNNING, FINISHED, CANCELLED, FAILED = "running", "finished", "cancelled", "failed"
 
@@ -187,7 +188,7 @@ class RedisSessionStore:
             return fn()
         except self._errors as exc:
             raise StoreUnavailableError(
-                f"session store (Redis at {self.url}) is unreachable: {exc}. Generation cannot be served "
+                f"session store (Redis at {redact_credentials(self.url)}) is unreachable: {exc}. Generation cannot be served "
                 "or resumed until it is back; retry shortly"
             ) from None
 
