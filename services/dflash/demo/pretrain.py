@@ -400,7 +400,7 @@ def _recent_train_loss(log_path: Path, last: int = 50) -> float | None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse CLI flags; every default is the value the demo target uses."""
+    """Parse CLI flags; the model-shape defaults are the demo target's (`dflash demo build` passes every flag)."""
     d = TrainConfig()
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default="runs/demo/target")
