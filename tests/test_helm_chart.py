@@ -409,14 +409,41 @@ def test_a_value_the_service_does_not_understand_fails():
             build_graph({**app, "args": bad})
 
 
-def test_grpc_servicers_are_the_services():
-    from dflash.service.app import SERVICERS
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_grpc_servicers_are_the_services(variant):
+    """Serve's gRPC proxy gets what `dflash serve` gives it (app.grpc_options) for the rendered args:
+    servicers.py's services (lenient decoding), reflection among them only with `reflection` on, and
+    Ray's own reflection, which answers anyone, off."""
     from ray._common.utils import import_attr
 
-    functions = serve_config("default")["grpc_options"]["grpc_servicer_functions"]
-    assert functions == list(SERVICERS)
-    for function in functions:
-        assert callable(import_attr(function))
+    from dflash.service.app import grpc_options
+    from dflash.service.config import ServiceConfig
+
+    config = serve_config(variant)
+    (app,) = config["applications"]
+    service = ServiceConfig.from_dict(app["args"])
+    wanted = grpc_options(service)
+    rendered = config["grpc_options"]
+    assert rendered["grpc_servicer_functions"] == list(wanted.grpc_servicer_functions)
+    assert rendered["enable_reflection"] is False is wanted.enable_reflection
+    assert rendered["port"] == wanted.port
+    assert service.reflection is value(variant, "grpc.reflection")
+    reflection = [f for f in rendered["grpc_servicer_functions"] if "Reflection" in f]
+    assert bool(reflection) is value(variant, "grpc.reflection")
+    for function in rendered["grpc_servicer_functions"]:
+        assert function.startswith("dflash.service.servicers.") and callable(import_attr(function))
+
+
+def test_reflection_off_leaves_it_out():
+    from dflash.service.app import grpc_options
+    from dflash.service.config import ServiceConfig
+
+    config = yaml.safe_load(one(objects(render({"grpc": {"reflection": False}})), "RayService")["spec"]["serveConfigV2"])
+    (app,) = config["applications"]
+    assert app["args"]["reflection"] is False and config["grpc_options"]["enable_reflection"] is False
+    assert config["grpc_options"]["grpc_servicer_functions"] == \
+        list(grpc_options(ServiceConfig.from_dict(app["args"])).grpc_servicer_functions)
+    assert not [f for f in config["grpc_options"]["grpc_servicer_functions"] if "Reflection" in f]
 
 
 def dflash_env(container: dict) -> dict:
@@ -620,6 +647,23 @@ def test_upgrade_strategy(strategy):
     assert rs["spec"]["upgradeStrategy"] == {"type": strategy}
     assert kuberay_problems(rs) == []
     assert rayservice("default")["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
+
+
+def test_changed_proxy_options_make_a_new_cluster():
+    """Serve applies grpc_options only when it starts: on a running cluster the dashboard's
+    serve_start_async finds Serve up and keeps the proxy's options (ray/serve/_private/api.py). So the
+    head pod carries their hash, and a change (reflection on or off, the request timeout) goes through
+    upgradeStrategy like any cluster change; changes to the application alone keep the cluster."""
+    def cluster(values: dict) -> dict:
+        return one(objects(render(values)), "RayService")["spec"]["rayClusterConfig"]
+
+    base = cluster({})
+    for change in ({"grpc": {"reflection": False}}, {"grpc": {"requestTimeoutSeconds": 30}}):
+        changed = cluster(change)
+        assert changed != base
+        assert changed["workerGroupSpecs"] == base["workerGroupSpecs"], "only the head pod changes"
+    for same in (SERVE_TWEAKS, {"limits": {"maxNewTokens": 512}}):
+        assert cluster(same) == base
 
 
 # 6. A GPU pod never runs on the CPU -----------------------------------------------------------------------
@@ -983,6 +1027,7 @@ BAD_VALUES = [
     ({"upgradeStrategy": "NewClusterWithIncrementalUpgrade"}, "/upgradeStrategy"),
     ({"verifier": {"pods": {"disruptionBudget": {"minAvailable": "50%"}}}}, "/verifier/pods/disruptionBudget/minAvailable"),
     ({"networkPolicy": {"operator": {"namespace": ""}}}, "/networkPolicy/operator/namespace"),
+    ({"grpc": {"reflection": "yes"}}, "/grpc/reflection"),
 ]
 
 

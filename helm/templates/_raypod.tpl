@@ -260,9 +260,16 @@ metadata:
   labels:
     {{- include "dflash.podLabels" (dict "ctx" .ctx "component" "ray") | nindent 4 }}
     dflash.dev/role: {{ .role }}
-  {{- with $v.podAnnotations }}
+  {{- if or (eq .role "head") $v.podAnnotations }}
   annotations:
+    {{- if eq .role "head" }}
+    # Serve's gRPC proxy options (port, servicers, timeout), which Serve applies only when it starts: their
+    # hash here makes KubeRay start a new cluster when they change (upgradeStrategy) instead of ignoring them.
+    dflash.dev/grpc-options: {{ include "dflash.grpcOptions" .ctx | sha256sum | trunc 16 | quote }}
+    {{- end }}
+    {{- with $v.podAnnotations }}
     {{- toYaml . | nindent 4 }}
+    {{- end }}
   {{- end }}
 spec:
   serviceAccountName: {{ if eq .role "head" }}{{ include "dflash.headServiceAccountName" .ctx }}{{ else }}{{ include "dflash.serviceAccountName" .ctx }}{{ end }}

@@ -60,15 +60,34 @@ own request counts. The ingress asks for no CPU: the head offers none (only its 
 {{- $_ := set $args "scheduler" $scheduler }}
 {{- $_ := set $args "torch_threads" (int $v.torchThreads) }}
 {{- $_ := set $args "metrics" $v.metrics }}
+{{- $_ := set $args "reflection" $v.grpc.reflection }}
 {{- toJson $args }}
+{{- end }}
+
+{{/*
+Serve's gRPC proxy options, as dflash.service.app.grpc_options builds them for `dflash serve`: the
+services of servicers.py (lenient request decoding: undecodable bytes reach the ingress and get
+INVALID_ARGUMENT), reflection among them when grpc.reflection is on, so that the ingress answers it
+behind the token. Ray's own reflection (enable_reflection) answers anyone and stays off. Serve applies
+these options only when it starts: a running cluster keeps its proxy's (rayservice.yaml hashes them
+into the head pod, so a change makes a new cluster).
+*/}}
+{{- define "dflash.grpcOptions" -}}
+{{- $v := .Values }}
+{{- $servicers := list "dflash.service.servicers.add_GenerationServicer_to_server" "dflash.service.servicers.add_HealthServicer_to_server" }}
+{{- if $v.grpc.reflection }}
+{{- $servicers = append $servicers "dflash.service.servicers.add_ServerReflectionServicer_to_server" }}
+{{- end }}
+{{- $grpc := dict "port" (int $v.grpc.port) "enable_reflection" false "grpc_servicer_functions" $servicers }}
+{{- if $v.grpc.requestTimeoutSeconds }}
+{{- $_ := set $grpc "request_timeout_s" (float64 $v.grpc.requestTimeoutSeconds) }}
+{{- end }}
+{{- toJson $grpc }}
 {{- end }}
 
 {{- define "dflash.serveConfig" -}}
 {{- $v := .Values }}
-{{- $grpc := dict "port" (int $v.grpc.port) "enable_reflection" $v.grpc.reflection "grpc_servicer_functions" (list "dflash.api.v1.generate_pb2_grpc.add_GenerationServicer_to_server" "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server") }}
-{{- if $v.grpc.requestTimeoutSeconds }}
-{{- $_ := set $grpc "request_timeout_s" (float64 $v.grpc.requestTimeoutSeconds) }}
-{{- end }}
+{{- $grpc := include "dflash.grpcOptions" . | fromJson }}
 {{- $deployments := list }}
 {{- $deployments = append $deployments (include "dflash.deploymentOverride" (dict "name" "ingress" "v" $v.ingress "gpus" false "resource" $v.ingress.rayResource "drafter" false) | fromJson) }}
 {{- $deployments = append $deployments (include "dflash.deploymentOverride" (dict "name" "verifier" "v" $v.verifier "gpus" true "resource" $v.verifier.rayResource "drafter" false) | fromJson) }}
