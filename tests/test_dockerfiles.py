@@ -83,13 +83,14 @@ def test_requirements_are_pinned_and_match_the_chart():
 
 
 def test_every_project_dependency_is_pinned_for_the_images():
-    """The images install the package with --no-deps: a dependency added to pyproject.toml must be pinned here."""
+    """The images install the package with --no-deps and run the service: a dependency added to pyproject.toml
+    (the engine's, or the serve extra's) must be pinned here."""
     import tomllib
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     pinned = {re.sub(r"\[.*\]", "", line.split("==")[0]).strip().lower().replace("_", "-")
               for line in REQUIREMENTS.read_text().splitlines() if "==" in line.split("#")[0]}
-    for requirement in project["dependencies"]:
+    for requirement in project["dependencies"] + project["optional-dependencies"]["serve"]:
         name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower().replace("_", "-")
         if name != "torch":  # pinned in each Dockerfile (CPU and CUDA builds differ)
             assert name in pinned, f"{name} (pyproject dependency) is not pinned in docker/requirements.txt"
