@@ -142,6 +142,8 @@ def test_renders_the_expected_objects(variant):
         expected += ["NetworkPolicy", "Secret", "Service", "StatefulSet", "PodDisruptionBudget"]
     if value(variant, "tls.enabled"):
         expected += ["Deployment", "Service", "NetworkPolicy", "PodDisruptionBudget"]
+    if not value(variant, "drafter.net.auth.existingSecret"):
+        expected += ["Secret"]  # the Drafter API's token, generated
     assert kinds == sorted(expected)
 
 
@@ -741,7 +743,7 @@ def test_gcs_state_lives_in_redis(variant):
     if value(variant, "redis.mode") == "internal":
         assert options["redisAddress"] == f"{one(objs, 'Service', '-redis')['metadata']['name']}:6379"
         assert options["redisPassword"]["valueFrom"]["secretKeyRef"] == {
-            "name": one(objs, "Secret")["metadata"]["name"], "key": value(variant, "redis.auth.key")}
+            "name": one(objs, "Secret", "-redis")["metadata"]["name"], "key": value(variant, "redis.auth.key")}
     else:
         external = value(variant, "gcsFaultTolerance.external")
         assert options["redisAddress"] == external["address"]
@@ -898,12 +900,12 @@ def test_redis(variant):
     container = sts["spec"]["template"]["spec"]["containers"][0]
     assert "--appendonly yes" in container["args"][0]
     assert "$REDIS_PASSWORD" in container["args"][0] and "requirepass" in container["args"][0]
-    assert env_of(container)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == one(objs, "Secret")["metadata"]["name"]
+    assert env_of(container)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == one(objs, "Secret", "-redis")["metadata"]["name"]
     assert "ping" in " ".join(container["readinessProbe"]["exec"]["command"])
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     assert {"name": "data", "mountPath": "/data"} in container["volumeMounts"]
     secret = env["SESSIONS_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
-    assert secret["name"] == one(objs, "Secret")["metadata"]["name"]
+    assert secret["name"] == one(objs, "Secret", "-redis")["metadata"]["name"]
     assert env["DFLASH_REDIS__URL"]["value"].startswith("redis://:$(SESSIONS_REDIS_PASSWORD)@")
 
 
@@ -1027,6 +1029,10 @@ BAD_VALUES = [
     ({"upgradeStrategy": "NewClusterWithIncrementalUpgrade"}, "/upgradeStrategy"),
     ({"verifier": {"pods": {"disruptionBudget": {"minAvailable": "50%"}}}}, "/verifier/pods/disruptionBudget/minAvailable"),
     ({"networkPolicy": {"operator": {"namespace": ""}}}, "/networkPolicy/operator/namespace"),
+    ({"drafter": {"net": {"auth": {"key": ""}}}}, "/drafter/net/auth/key"),
+    ({"drafter": {"net": {"auth": {"existingSecret": "Drafter_Token"}}}}, "/drafter/net/auth/existingSecret"),
+    ({"drafter": {"net": {"tls": {"existingSecret": "t", "serverName": "bad name"}}}}, "/drafter/net/tls/serverName"),
+    ({"drafter": {"net": {"tls": {"enabled": True}}}}, "enabled"),
     ({"grpc": {"reflection": "yes"}}, "/grpc/reflection"),
 ]
 
@@ -1052,6 +1058,8 @@ def test_schema_rejects_bad_values(values, where):
     ({"ingress": {"autoscaling": {"maxReplicas": 5}}}, "ingress.autoscaling.maxReplicas (5) is above head.maxIngressReplicas (4)"),
     ({"redis": {"mode": "external", "external": {"existingSecret": "url"}}}, "gcsFaultTolerance.external.address"),
     ({"model": {"hub": {"cache": {"create": True, "claimName": "mine"}}}}, "model.hub.cache: claimName or create"),
+    ({"drafter": {"net": {"tls": {"existingSecret": "drafter-tls"}}}}, "drafter.net.tls.existingSecret needs drafter.net.tls.serverName"),
+    ({"drafter": {"net": {"tls": {"serverName": "drafter.internal"}}}}, "drafter.net.tls.serverName is only used with drafter.net.tls.existingSecret"),
 ])
 def test_inconsistent_values_fail_with_a_message(values, message):
     with pytest.raises(helm.HelmError, match=re.escape(message)):
@@ -1061,3 +1069,146 @@ def test_inconsistent_values_fail_with_a_message(values, message):
 def test_schema_says_where_cross_field_checks_live():
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert "dflash.validate" in schema["$comment"]
+
+
+# 9. The internal Drafter API: a shared token from a Secret, optional mutual TLS ----------------------------
+
+DRAFTER_TLS_DIR = "/etc/dflash/drafter-tls"
+
+
+def secret_value(secret: dict, key: str) -> str:
+    import base64
+
+    return base64.b64decode(secret["data"][key]).decode()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_drafter_token_reaches_the_verifier_and_the_drafters(variant):
+    """Drafter replicas refuse calls without drafter_net.token and the verifier sends it, so both get it,
+    from the same Secret (drafter.net.auth.existingSecret, or one the chart generates). The head (ingress,
+    Serve controller) never calls a drafter and does not get it."""
+    from dflash.service.config import load_config
+
+    objs = variant_objects(variant)
+    auth = value(variant, "drafter.net.auth")
+    if auth["existingSecret"]:
+        name = auth["existingSecret"]
+        assert not [o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == name]
+    else:
+        secret = one(objs, "Secret", "-drafter-auth")
+        name = secret["metadata"]["name"]
+        assert secret["type"] == "Opaque" and set(secret["data"]) == {auth["key"]}
+        token = secret_value(secret, auth["key"])
+        assert len(token) >= 32 and token.isalnum()
+    g = groups(variant)
+    args = serve_config(variant)["applications"][0]["args"]
+    assert "token" not in args["drafter_net"]
+    for role, group in g.items():
+        container = group["template"]["spec"]["containers"][0]
+        env = env_of(container)
+        if role == "head":
+            assert "DFLASH_DRAFTER_NET__TOKEN" not in env
+            continue
+        assert env["DFLASH_DRAFTER_NET__TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": name, "key": auth["key"]}
+        assert load_config(env=dflash_env(container), base=args).drafter_net.token == "from-a-secret"
+
+
+def chart_with_existing_secrets(tmp_path: Path, kept: dict[str, str]) -> Path:
+    """A copy of the chart whose `lookup` of a Secret finds one holding `kept` (key -> value), as on a
+    cluster where the release is installed; rendering offline, lookup finds nothing."""
+    import base64
+
+    chart = tmp_path / "dflash"
+    shutil.copytree(CHART, chart)
+    data = " ".join(f'"{k}" "{base64.b64encode(v.encode()).decode()}"' for k, v in kept.items())
+    for template in ("redis.yaml", "drafter-auth.yaml"):
+        path = chart / "templates" / template
+        text = path.read_text()
+        assert text.count('lookup "v1" "Secret" .Release.Namespace $name') == 1, template
+        path.write_text(text.replace('lookup "v1" "Secret" .Release.Namespace $name', f'dict "data" (dict {data})'))
+    return chart
+
+
+def test_generated_secrets_are_kept_across_upgrades(tmp_path):
+    """The Drafter API's token and the Redis password the chart generates are read back from the installed
+    Secret on an upgrade (lookup), as a `helm upgrade` renders them: a new token would lock the running
+    verifier out of drafter replicas started with the old one."""
+    chart = chart_with_existing_secrets(tmp_path, {"token": "kept-drafter-token", "redis-password": "kept-password"})
+    with helm.Chart.load(str(chart)) as c:
+        objs = objects(c.render({}, name="dflash", namespace="dflash", is_upgrade=True))
+    assert secret_value(one(objs, "Secret", "-drafter-auth"), "token") == "kept-drafter-token"
+    assert secret_value(one(objs, "Secret", "-redis"), "redis-password") == "kept-password"
+    # A fresh install (nothing to look up) gets new random ones.
+    first, second = (one(objects(render({})), "Secret", "-drafter-auth") for _ in range(2))
+    assert secret_value(first, "token") != secret_value(second, "token")
+
+
+def test_secret_values_appear_only_in_secrets():
+    """The token and password the chart generates, and nothing of a Secret the user names, appear in no
+    rendered object but their own Secret (nor in NOTES): pods read them through secretKeyRef."""
+    import base64
+
+    for values in ({}, variant_values("gpu-split"), variant_values("drafter-mtls")):
+        rendered = render(values)
+        objs = objects(rendered)
+        secrets = [o for o in objs if o["kind"] == "Secret"]
+        plain = [secret_value(s, k) for s in secrets for k in s["data"]]
+        assert all(len(p) >= 32 for p in plain)
+        needles = plain + [base64.b64encode(p.encode()).decode() for p in plain]
+        for obj in objs:
+            if obj["kind"] == "Secret":
+                continue
+            text = yaml.safe_dump(obj) + json.dumps(obj)
+            if obj["kind"] == "RayService":  # the Serve config is a YAML string inside it: read it too
+                text += json.dumps(yaml.safe_load(obj["spec"]["serveConfigV2"]))
+            assert not [n for n in needles if n in text], f"{obj['kind']}/{obj['metadata']['name']} holds a secret"
+        assert not [n for n in needles if n in rendered["dflash/templates/NOTES.txt"]]
+        # Every env value that names a token or password comes from a Secret, never inline.
+        for obj in objs:
+            for spec in pod_specs(obj):
+                for c in spec.get("initContainers", []) + spec["containers"]:
+                    for e in c.get("env", []):
+                        if re.search(r"(^|_)(TOKEN|PASSWORD)$", e["name"]) and "value" in e:
+                            pytest.fail(f"{c['name']}: {e['name']} is inline")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_drafter_mutual_tls(variant):
+    """drafter.net.tls.existingSecret: its tls.crt, tls.key and ca.crt are mounted read-only on the verifier
+    and drafter pods (a missing key stops the pod at mount), and the DFLASH_DRAFTER_NET__TLS_* variables
+    name those files and the fixed name replicas' certificates are checked against (they advertise pod
+    IPs). The service's config reads them as mutual TLS. The head gets none of it."""
+    from dflash.service.config import load_config
+
+    tls = value(variant, "drafter.net.tls")
+    args = serve_config(variant)["applications"][0]["args"]
+    for role, group in groups(variant).items():
+        spec = group["template"]["spec"]
+        (container,) = spec["containers"]
+        env = env_of(container)
+        tls_env = {k: e["value"] for k, e in env.items() if k.startswith("DFLASH_DRAFTER_NET__TLS_")}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        if role == "head" or not tls["existingSecret"]:
+            assert tls_env == {} and "drafter-tls" not in volumes and "drafter-tls" not in mounts
+            assert not load_config(env=dflash_env(container), base=args).drafter_net.tls
+            continue
+        secret = volumes["drafter-tls"]["secret"]
+        assert secret["secretName"] == tls["existingSecret"]
+        assert sorted(i["key"] for i in secret["items"]) == ["ca.crt", "tls.crt", "tls.key"]
+        assert all(i["key"] == i["path"] for i in secret["items"]) and secret["defaultMode"] == 0o440
+        mount = mounts["drafter-tls"]
+        assert mount["readOnly"] is True and mount["mountPath"] == DRAFTER_TLS_DIR
+        assert tls_env == {"DFLASH_DRAFTER_NET__TLS_CERT_FILE": f"{DRAFTER_TLS_DIR}/tls.crt",
+                           "DFLASH_DRAFTER_NET__TLS_KEY_FILE": f"{DRAFTER_TLS_DIR}/tls.key",
+                           "DFLASH_DRAFTER_NET__TLS_CA_FILE": f"{DRAFTER_TLS_DIR}/ca.crt",
+                           "DFLASH_DRAFTER_NET__TLS_SERVER_NAME": tls["serverName"]}
+        net = load_config(env=dflash_env(container), base=args).drafter_net
+        assert net.tls and net.tls_server_name == tls["serverName"] == "drafter.dflash.internal"
+
+
+def test_a_ci_variant_locks_the_drafter_api_down():
+    """helm/ci/drafter-mtls-values.yaml renders the token from an existing Secret, mutual TLS and reflection off."""
+    assert value("drafter-mtls", "drafter.net.auth.existingSecret") == "dflash-drafter-auth"
+    assert value("drafter-mtls", "drafter.net.tls.existingSecret") and value("drafter-mtls", "grpc.reflection") is False
+    assert not [o for o in variant_objects("drafter-mtls") if o["kind"] == "Secret" and "drafter" in o["metadata"]["name"]]

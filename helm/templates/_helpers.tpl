@@ -99,6 +99,17 @@ app.kubernetes.io/part-of: dflash
 {{- .Values.redis.auth.existingSecret | default (include "dflash.redisName" .) }}
 {{- end }}
 
+{{/* The Secret holding the internal Drafter API's token: drafter.net.auth.existingSecret or the chart's own. */}}
+{{- define "dflash.drafterAuthSecretName" -}}
+{{- .Values.drafter.net.auth.existingSecret | default (printf "%s-drafter-auth" (include "dflash.fullname" .)) }}
+{{- end }}
+
+{{/* "true" when a pod of this role talks to the Drafter API (the verifier calls, drafters answer); the head
+never does. Pass (dict "ctx" $ "role" r). */}}
+{{- define "dflash.drafterNetPeer" -}}
+{{- if ne .role "head" }}true{{ end }}
+{{- end }}
+
 {{/* The public gRPC Service: KubeRay's serve Service, or with tls.enabled the TLS front's (service-grpc.yaml). */}}
 {{- define "dflash.grpcServiceName" -}}
 {{- printf "%s-grpc" (include "dflash.fullname" .) }}
@@ -173,6 +184,13 @@ across a group and its deployment.
 {{- $gcs := .Values.gcsFaultTolerance }}
 {{- if and $gcs.enabled (eq .Values.redis.mode "external") (not $gcs.external.address) }}
 {{- fail "gcsFaultTolerance with redis.mode=external needs gcsFaultTolerance.external.address (host:port of a Redis for the Ray head), or gcsFaultTolerance.enabled=false" }}
+{{- end }}
+{{- $dtls := .Values.drafter.net.tls }}
+{{- if and $dtls.existingSecret (not $dtls.serverName) }}
+{{- fail "drafter.net.tls.existingSecret needs drafter.net.tls.serverName: replicas advertise pod IPs, so the verifier checks every replica's certificate against this one fixed name (a SAN of the certificate)" }}
+{{- end }}
+{{- if and $dtls.serverName (not $dtls.existingSecret) }}
+{{- fail "drafter.net.tls.serverName is only used with drafter.net.tls.existingSecret (the Secret with tls.crt, tls.key and ca.crt)" }}
 {{- end }}
 {{- if and .Values.model.hub.cache.create .Values.model.hub.cache.claimName }}
 {{- fail "model.hub.cache: claimName or create, not both (create makes a claim of its own)" }}

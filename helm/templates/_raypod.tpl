@@ -41,6 +41,28 @@ Ray container itself. Pass (dict "ctx" $ "role" "head|verifier|drafter").
       name: {{ $v.auth.existingSecret }}
       key: {{ $v.auth.key }}
 {{- end }}
+{{- if include "dflash.drafterNetPeer" . }}
+# The internal Drafter API: the verifier sends this token, drafter replicas refuse calls without it.
+- name: DFLASH_DRAFTER_NET__TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "dflash.drafterAuthSecretName" .ctx }}
+      key: {{ $v.drafter.net.auth.key }}
+{{- with $v.drafter.net.tls }}
+{{- if .existingSecret }}
+# Mutual TLS on the Drafter API, with the files of the drafter-tls volume.
+- name: DFLASH_DRAFTER_NET__TLS_CERT_FILE
+  value: /etc/dflash/drafter-tls/tls.crt
+- name: DFLASH_DRAFTER_NET__TLS_KEY_FILE
+  value: /etc/dflash/drafter-tls/tls.key
+- name: DFLASH_DRAFTER_NET__TLS_CA_FILE
+  value: /etc/dflash/drafter-tls/ca.crt
+# Replicas advertise pod IPs: their certificates are checked against this fixed name.
+- name: DFLASH_DRAFTER_NET__TLS_SERVER_NAME
+  value: {{ .serverName | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if $v.otel.endpoint }}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
   value: {{ $v.otel.endpoint | quote }}
@@ -115,6 +137,17 @@ Ray container itself. Pass (dict "ctx" $ "role" "head|verifier|drafter").
   emptyDir:
     medium: Memory
     sizeLimit: {{ if eq .role "head" }}{{ $v.head.shmSize }}{{ else }}{{ (index $v .role).pods.shmSize }}{{ end }}
+{{- if and (include "dflash.drafterNetPeer" .) $v.drafter.net.tls.existingSecret }}
+# The Drafter API's certificate, key and CA; a Secret without one of the three keys stops the pod at mount.
+- name: drafter-tls
+  secret:
+    secretName: {{ $v.drafter.net.tls.existingSecret }}
+    defaultMode: 0440
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+      - {key: ca.crt, path: ca.crt}
+{{- end }}
 {{- if ne .role "head" }}
 {{- include "dflash.modelVolume" .ctx }}
 {{- else if $v.autoscaler.enabled }}
@@ -149,6 +182,11 @@ Ray container itself. Pass (dict "ctx" $ "role" "head|verifier|drafter").
 - name: models
   mountPath: {{ $v.model.mountPath }}
   readOnly: {{ eq $v.model.source "pvc" }}
+{{- end }}
+{{- if and (include "dflash.drafterNetPeer" .) $v.drafter.net.tls.existingSecret }}
+- name: drafter-tls
+  mountPath: /etc/dflash/drafter-tls
+  readOnly: true
 {{- end }}
 {{- end }}
 
