@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import grpc
 import pytest
-
 from dflash.api.v1 import generate_pb2_grpc
 from dflash.drafter.checkpoint import save_drafter
 from dflash.service.async_stream import iterate_in_thread

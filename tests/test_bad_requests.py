@@ -1,7 +1,6 @@
 """Bad requests stop with one message that names the field."""
 
 import pytest
-
 from dflash.errors import InvalidRequestError
 from dflash.params import SamplingParams
 from tiny import VOCAB, engine_for, tiny_drafter, tiny_target
@@ -89,7 +88,6 @@ def test_sampling_edge_values_on_large_logits():
     """Logits of a real model's size (|logit| up to ~60): every edge value of temperature, top_k and
     top_p samples a real token, and the one its limit says."""
     import torch
-
     from dflash.sampling import sample_tokens
 
     torch.manual_seed(0)

@@ -9,7 +9,6 @@ import threading
 
 import pytest
 import torch
-
 from dflash.defaults import demo_pair
 from dflash.demo.corpus import heldout_prompts
 from dflash.errors import InvalidRequestError

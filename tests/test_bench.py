@@ -14,8 +14,7 @@ import grpc
 import pytest
 from dflash.api.v1 import generate_pb2 as pb
 from dflash.api.v1 import generate_pb2_grpc
-from dflash.bench.load import (Record, SweepSettings, add_speedups, method_ratios, percentile, run_sweep,
-                               summarize_cell)
+from dflash.bench.load import Record, SweepSettings, add_speedups, method_ratios, percentile, run_sweep, summarize_cell
 from dflash.bench.load_report import format_sweep
 from dflash.bench.methods import EngineMethod, Sample, ServiceMethod
 from dflash.bench.profile_round import PARTS, format_profile, profile_round
@@ -364,7 +363,6 @@ def test_anchor_difficulty_script_runs_on_the_demo_pair():
 def test_transformers_dflash_method_runs_our_drafter_in_transformers_generate():
     """The `hfdflash` method: transformers' own DFlash loop on our drafter's weights, converted exactly;
     a drafter it cannot run exactly is an unavailable row naming the field."""
-    import torch
     from dflash.bench.methods import TRANSFORMERS_DFLASH, build_methods
     from dflash.drafter import DFlashConfig, DFlashDraftModel
     from tiny import MASK_ID, hf_greedy, prompts

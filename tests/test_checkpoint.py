@@ -4,12 +4,11 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from dflash.drafter.checkpoint import check_compatible, load_drafter, save_drafter
 from dflash.errors import CheckpointError, IncompatibleDrafterError
 from dflash.loading import build_engine
 from dflash.params import SamplingParams
+from safetensors.torch import save_file
 from tiny import MASK_ID, VOCAB, char_tokenizer, engine_for, prompts, tiny_drafter, tiny_target
 
 H, KV, HEADS, HEAD_DIM, FFN = 32, 2, 4, 8, 64

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from dflash.cli import main
 from dflash.drafter.checkpoint import save_drafter
 from tiny import char_tokenizer, tiny_drafter, tiny_target

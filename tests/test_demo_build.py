@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from dflash.cli import main as cli_main
 from dflash.defaults import DEMO_DIR
 from dflash.demo.build import OUTPUTS, STAGES

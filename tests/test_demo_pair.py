@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from dflash.defaults import DEMO_AR_DRAFT, DEMO_DIR, demo_pair
 from dflash.demo.corpus import heldout_prompts
 from dflash.loading import build_engine

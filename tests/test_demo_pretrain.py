@@ -6,12 +6,11 @@ import json
 import math
 
 import pytest
-from transformers import AutoTokenizer
-
 from dflash.demo import corpus
-from dflash.errors import CheckpointError
 from dflash.demo.pretrain import TrainConfig, demo_model_config, train_lm
 from dflash.demo.tokenizer import MASK_TOKEN, build_tokenizer
+from dflash.errors import CheckpointError
+from transformers import AutoTokenizer
 
 SAMPLE = 'def área(r):\n    """Circle area."""\n    return 3.14159 * r ** 2  # ok\n'
 

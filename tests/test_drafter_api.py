@@ -14,7 +14,6 @@ import logging
 import grpc
 import pytest
 import torch
-
 from dflash.api.internal.v1 import drafter_pb2
 from dflash.drafter.protocol import DraftSampling
 from dflash.loading import build_engine

@@ -7,9 +7,6 @@ import time
 import grpc
 import pytest
 import torch
-from ray.serve._private.common import DeploymentID, ReplicaID
-from ray.serve.config import AutoscalingConfig, AutoscalingContext
-
 from dflash.api.internal.v1 import drafter_pb2_grpc
 from dflash.service import codec
 from dflash.service.autoscaling import HOT_SESSIONS, INFLIGHT_DRAFTS, POLICY_FUNCTION, DraftLoadPolicy
@@ -17,6 +14,8 @@ from dflash.service.config import ConfigError, ServiceConfig
 from dflash.service.drafter_server import DrafterServer
 from dflash.service.parts import build_draft_sessions
 from dflash.service.session_store import MemorySessionStore
+from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from service_fixtures import BLOCK_SIZE, model_dirs  # noqa: F401
 
 DRAFTER = DeploymentID(name="drafter", app_name="dflash")

@@ -1,13 +1,18 @@
 """Speculative output equals the target's own output, token for token (tiny real models, fp32)."""
 
 import pytest
-import torch
-
 from dflash.engine import SpeculativeEngine
 from dflash.params import SamplingParams
 from dflash.target import TargetModel
 from tiny import (
-    EOS_ID, FULL, TargetDistributionDrafter, char_tokenizer, engine_for, hf_greedy, oracle_engine, prompts, tiny_drafter,
+    FULL,
+    TargetDistributionDrafter,
+    char_tokenizer,
+    engine_for,
+    hf_greedy,
+    oracle_engine,
+    prompts,
+    tiny_drafter,
     tiny_target,
 )
 

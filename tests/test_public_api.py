@@ -13,13 +13,12 @@ import threading
 
 import grpc
 import pytest
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
-from dflash.api.v1 import generate_pb2, generate_pb2_grpc
+from dflash.api.v1 import generate_pb2
 from dflash.service.app import REFLECTION, SERVICERS
 from dflash.service.config import ServiceConfig
 from dflash.service.ingress import Ingress, Rejected
 from dflash.service.messages import MAX_MESSAGE_CHARS, StreamError
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service_fixtures import IngressServicer
 
 TOKEN = "s3cret-token"

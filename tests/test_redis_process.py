@@ -13,7 +13,6 @@ import time
 
 import pytest
 import redis
-
 from dflash.service.messages import redact_credentials
 from dflash.service.redis_process import RedisProcess, redis_server_path
 from dflash.service.session_store import CommittedRound, RedisSessionStore, SessionRecord, StoreUnavailableError

@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-
-from dflash.params import SamplingParams
 from dflash.errors import InvalidRequestError
+from dflash.params import SamplingParams
 from dflash.rounds import accept_length, committed_tokens, confident_length, cut_at_stop, make_block
 from dflash.sampling import filter_logits, gumbel_noise, sample_tokens
 from dflash.textstream import TextStream

@@ -1,17 +1,15 @@
 """Sampled speculative output follows the target's distribution exactly (chi-square against exact probabilities)."""
 
-import itertools
-
-import pytest
-import torch
-from scipy.stats import chisquare
 
 import dflash.engine
+import pytest
+import torch
 from dflash.drafter.protocol import DraftSampling
 from dflash.errors import DFlashError
 from dflash.params import SamplingParams
 from dflash.rounds import accept_length
 from dflash.sampling import filter_logits, propose_tokens, sample_tokens
+from scipy.stats import chisquare
 from tiny import hf_greedy, oracle_engine, tiny_target
 
 PROMPT = [5, 17, 3, 42, 8]

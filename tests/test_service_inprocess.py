@@ -11,11 +11,6 @@ import threading
 
 import pytest
 import torch
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
 from dflash.api.v1 import generate_pb2
 from dflash.drafter.protocol import DraftSampling
 from dflash.loading import build_engine
@@ -28,6 +23,10 @@ from dflash.service.messages import StreamError, VerifyRequest
 from dflash.service.parts import build_draft_sessions, build_verifier_engine
 from dflash.service.session_store import RedisSessionStore
 from dflash.service.verifier import Verifier
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from service_fixtures import model_dirs, redis_server, redis_url, wait_until  # noqa: F401
 
 PROMPTS = ["def f(x):\n    return", "import os\nprint(", "a = [1, 2, 3]\nb ="]

@@ -1,22 +1,27 @@
 """Service parts without Ray: generated code, codec, config, ingress checks, the session store on real Redis."""
 
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-
 from dflash.api import generate as api_generate
 from dflash.api.v1 import generate_pb2
+from dflash.errors import InvalidRequestError
+from dflash.journal import CommittedRound
 from dflash.service import codec
 from dflash.service.config import ConfigError, ServiceConfig, load_config
 from dflash.service.ingress import Ingress, Rejected
-from dflash.errors import InvalidRequestError
-from dflash.journal import CommittedRound
 from dflash.service.session_store import (
-    FINISHED, RUNNING, MemorySessionStore, RedisSessionStore, SessionNotFoundError, SessionRecord, StoreUnavailableError,
+    FINISHED,
+    RUNNING,
+    MemorySessionStore,
+    RedisSessionStore,
+    SessionNotFoundError,
+    SessionRecord,
+    StoreUnavailableError,
 )
 from service_fixtures import redis_server, redis_url  # noqa: F401
 

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-
-from dflash.api.v1 import generate_pb2
 from dflash.loading import build_engine
 from dflash.params import SamplingParams
 from dflash.service.client import GenerationClient
@@ -296,7 +294,7 @@ def test_overload_is_resource_exhausted(service, client):
             with lock:
                 errors.append(exc.code())
 
-    threads = [threading.Thread(target=one) for _ in range(14)]  
+    threads = [threading.Thread(target=one) for _ in range(14)]
     for t in threads:
         t.start()
     for t in threads:
@@ -410,10 +408,9 @@ def check_one_trace_across_processes(session: str, killed_drafter: str) -> None:
 def assert_drafters_report_their_load(app_name: str, timeout_s: float = 60) -> None:
     """Serve's controller holds the metrics drafter replicas return from record_autoscaling_stats
     (read through the controller's testing hook: Serve has no public view of custom metrics)."""
+    from dflash.service.autoscaling import HOT_SESSIONS, INFLIGHT_DRAFTS
     from ray.serve._private.common import DeploymentID
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-
-    from dflash.service.autoscaling import HOT_SESSIONS, INFLIGHT_DRAFTS
 
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
     drafter = DeploymentID(name="drafter", app_name=app_name)

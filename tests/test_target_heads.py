@@ -5,13 +5,12 @@ import logging
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from dflash.drafter.local import LocalDrafter
 from dflash.errors import CheckpointError
 from dflash.loading import load_target
 from dflash.target import TargetModel
 from dflash.target_heads import load_target_heads
+from safetensors.torch import load_file, save_file
 from tiny import prompts, tiny_drafter, tiny_target
 
 CPU = torch.device("cpu")

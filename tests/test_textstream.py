@@ -3,11 +3,10 @@
 import random
 
 import pytest
-from transformers import AutoTokenizer
-
 from dflash.defaults import DEMO_DIR
 from dflash.textstream import TextStream
 from tiny import char_tokenizer
+from transformers import AutoTokenizer
 
 KW = dict(skip_special_tokens=True, clean_up_tokenization_spaces=False)
 

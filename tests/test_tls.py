@@ -25,10 +25,6 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
-
 from dflash.api.v1 import generate_pb2, generate_pb2_grpc
 from dflash.cli import main as dflash_main
 from dflash.service.async_stream import iterate_in_thread
@@ -40,6 +36,9 @@ from dflash.service.redis_process import free_port
 from dflash.service.session_store import MemorySessionStore
 from dflash.service.tls_front import FrontThread, TlsFront
 from dflash.service.verifier import Verifier
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from service_fixtures import IngressServicer, model_dirs  # noqa: F401
 
 TOKEN = "s3cret-token"
@@ -54,7 +53,7 @@ def _name(cn: str) -> x509.Name:
 
 
 def _certificate(cn, key, issuer_cn, issuer_key, ca=False, sans=()):
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(_name(issuer_cn))
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))

@@ -8,10 +8,9 @@ import json
 import os
 
 import pytest
+from dflash.service import tracing
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-
-from dflash.service import tracing
 
 
 @pytest.mark.parametrize("env, wanted", [

@@ -8,29 +8,36 @@ import math
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
 from dflash.cli import main as cli_main
 from dflash.drafter.checkpoint import load_drafter
 from dflash.drafter.config import DFlashConfig
 from dflash.drafter.model import DFlashDraftModel
-from dflash.loading import build_engine, load_target, resolve_dtype
-from dflash.scheduler import SchedulerConfig
 from dflash.errors import DFlashError
+from dflash.loading import build_engine, load_target, resolve_dtype
 from dflash.params import SamplingParams
+from dflash.scheduler import SchedulerConfig
 from dflash.target import TargetModel
+from dflash.training import trainer as trainer_module
 from dflash.training.blocks import (
-    IGNORE, block_accuracy, block_attention_mask, block_sparse_mask, default_gamma, loss_weights, make_blocks,
-    miss_weights, sample_anchors, uncertainty_weights,
+    IGNORE,
+    block_accuracy,
+    block_attention_mask,
+    block_sparse_mask,
+    default_gamma,
+    loss_weights,
+    make_blocks,
+    miss_weights,
+    sample_anchors,
+    uncertainty_weights,
 )
 from dflash.training.config import TrainConfig, TrainConfigError
 from dflash.training.data import load_samples, read_records, tokenize
 from dflash.training.features import CachedFeatures, OnlineFeatures, cache_features
 from dflash.training.regenerate import regenerate
-from dflash.training import trainer as trainer_module
 from dflash.training.trainer import Trainer
+from tokenizers import Tokenizer, models, pre_tokenizers
 from torch.nn.attention.flex_attention import BlockMask
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 VOCAB = 64
 MASK_ID = 2

@@ -8,8 +8,6 @@ different order, e.g. transformers projects [context | block] keys in one matmul
 
 import pytest
 import torch
-from transformers import AutoModel
-
 from dflash.cli import main
 from dflash.drafter import DFlashConfig, DFlashDraftModel
 from dflash.drafter.checkpoint import load_drafter, save_drafter
@@ -20,6 +18,7 @@ from dflash.errors import CheckpointError
 from dflash.params import SamplingParams
 from dflash.target import TargetModel
 from tiny import EOS_ID, MASK_ID, engine_for, hf_greedy, prompts, tiny_drafter, tiny_target
+from transformers import AutoModel
 
 ATOL = 1e-4
 NEW_TOKENS = 40

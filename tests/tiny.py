@@ -5,16 +5,15 @@ from __future__ import annotations
 import string
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
 from dflash.drafter import DFlashConfig, DFlashDraftModel
 from dflash.drafter.local import LocalDrafter
 from dflash.drafter.protocol import GREEDY, Draft
 from dflash.engine import SpeculativeEngine
-from dflash.scheduler import SchedulerConfig
 from dflash.sampling import propose_tokens
+from dflash.scheduler import SchedulerConfig
 from dflash.target import TargetModel
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 # 62 printable characters + end-of-text + mask = a 64-token vocabulary.
 CHARS = string.ascii_lowercase + string.digits + " .,;:()[]{}=+-*/<>!?'\"_#\n"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import DFlashError
 from .commands import bench, client, demo, export, generate, regenerate, serve, tls_front, train
+from .errors import DFlashError
 
 COMMANDS = (generate, train, regenerate, demo, bench, serve, client, tls_front, export)
 

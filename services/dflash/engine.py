@@ -36,7 +36,12 @@ from .scheduler import Scheduler, SchedulerConfig, StepPlan
 from .stats import GenerationStats, RoundStats
 from .target import ForwardItem, TargetModel
 from .verify_policy import (
-    CostCurve, DraftCost, StepCalibration, acceptance_rate, choose_drafted, choose_verify_lengths,
+    CostCurve,
+    DraftCost,
+    StepCalibration,
+    acceptance_rate,
+    choose_drafted,
+    choose_verify_lengths,
     measure_target_cost,
 )
 

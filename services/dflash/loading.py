@@ -14,8 +14,8 @@ from .drafter.config import DFlashConfig
 from .drafter.local import LocalDrafter
 from .drafter.protocol import Drafter
 from .engine import SpeculativeEngine, StepObserver
-from .journal import RoundJournal
 from .errors import CheckpointError, DFlashError
+from .journal import RoundJournal
 from .scheduler import SchedulerConfig
 from .target import TargetModel
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 
@@ -73,7 +73,7 @@ def format_sweep(result: dict) -> str:
 def machine() -> dict:
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+            "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
 
 def write_outputs(out: Path, result: dict, meta: dict) -> list[Path]:

@@ -7,7 +7,7 @@ import os
 import platform
 import statistics
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from .load import percentile
@@ -119,7 +119,7 @@ def machine() -> dict:
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": transformers.__version__,
-            "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+            "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info

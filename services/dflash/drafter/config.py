@@ -45,7 +45,7 @@ class DFlashConfig:
         return len(self.target_layer_ids)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "DFlashConfig":
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> DFlashConfig:
         raw = copy.deepcopy(raw)
         dflash = raw.get("dflash_config")
         if not isinstance(dflash, dict):
@@ -114,7 +114,7 @@ class DFlashConfig:
         num_features: int | None = None,
         target_layer_ids: list[int] | None = None,
         intermediate_size: int | None = None,
-    ) -> "DFlashConfig":
+    ) -> DFlashConfig:
         """A fresh drafter config shaped like a Hugging Face target config (for training or tests)."""
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         num_target = text.num_hidden_layers

@@ -39,7 +39,7 @@ class GenerationClient:
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "GenerationClient":
+    def __enter__(self) -> GenerationClient:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -226,12 +226,12 @@ class ServiceConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any] | None) -> "ServiceConfig":
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> ServiceConfig:
         """Build from a nested mapping (YAML, Serve `args`); unknown keys raise ConfigError naming them."""
         return _build(cls, raw or {}, "")
 
     @classmethod
-    def for_replica(cls, args: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> "ServiceConfig":
+    def for_replica(cls, args: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ServiceConfig:
         """A replica's config: Serve `args` < this process's DFLASH_* environment.
 
         Secrets (Redis URL, auth token) and per-pod values (the drafter's own address) reach a replica

@@ -31,7 +31,6 @@ from .config import DrafterNetConfig
 from .metrics import ServiceMetrics
 from .session_store import SessionStore
 
-
 LIVE_REFRESH_S = 0.5  # how stale the list of live replicas may be (a dead one fails over at once anyway)
 log = logging.getLogger("dflash.service")
 

@@ -197,7 +197,7 @@ class DrafterServer:
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._advertise, daemon=True, name="drafter-advertise")
 
-    def start(self) -> "DrafterServer":
+    def start(self) -> DrafterServer:
         self.server.start()
         self._heartbeat.start()
         return self

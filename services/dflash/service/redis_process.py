@@ -78,7 +78,7 @@ class RedisProcess:
     def log_file(self) -> Path:
         return self.directory / "redis.log"
 
-    def start(self, timeout_s: float = 10.0) -> "RedisProcess":
+    def start(self, timeout_s: float = 10.0) -> RedisProcess:
         with self._lock:
             self._launch(timeout_s)
             self._wanted = True
@@ -97,7 +97,7 @@ class RedisProcess:
         self.stop()
         self.start()
 
-    def __enter__(self) -> "RedisProcess":
+    def __enter__(self) -> RedisProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -156,7 +156,7 @@ class FrontThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="dflash-tls-front")
 
-    def start(self, timeout_s: float = 30) -> "FrontThread":
+    def start(self, timeout_s: float = 30) -> FrontThread:
         self.thread.start()
         try:
             asyncio.run_coroutine_threadsafe(self.front.start(), self.loop).result(timeout_s)

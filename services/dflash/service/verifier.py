@@ -24,7 +24,13 @@ from . import tracing
 from .messages import StreamError, VerifyRequest
 from .metrics import ServiceMetrics
 from .session_store import (
-    CANCELLED, FAILED, FINISHED, SessionNotFoundError, SessionRecord, SessionStore, StoreUnavailableError,
+    CANCELLED,
+    FAILED,
+    FINISHED,
+    SessionNotFoundError,
+    SessionRecord,
+    SessionStore,
+    StoreUnavailableError,
 )
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-
 from ..drafter.local import LocalDrafter
 from ..drafter.model import DFlashDraftModel
 from ..engine import SpeculativeEngine

@@ -22,8 +22,16 @@ from ..drafter.checkpoint import save_drafter
 from ..drafter.config import DFlashConfig
 from ..drafter.model import DFlashDraftModel
 from ..errors import DFlashError
-from .blocks import (IGNORE, Blocks, gamma_or_default, loss_weights, make_blocks, miss_weights, sample_anchors,
-                     uncertainty_weights)
+from .blocks import (
+    IGNORE,
+    Blocks,
+    gamma_or_default,
+    loss_weights,
+    make_blocks,
+    miss_weights,
+    sample_anchors,
+    uncertainty_weights,
+)
 from .config import TrainConfig
 from .data import Batch, Sample, collate, epoch_batches
 from .evaluate import EvalResult, evaluate_tau
