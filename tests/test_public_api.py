@@ -47,12 +47,12 @@ def loop():
     thread.join(10)
 
 
-def serve(loop, auth_token: str, functions=(*SERVICERS, REFLECTION)) -> tuple[grpc.aio.Server, str]:
+def serve(loop, auth_token: str, functions=(*SERVICERS, REFLECTION), reflection: bool = True):
     from ray._common.utils import import_attr
 
     async def start():
         server = grpc.aio.server()
-        servicer = Edge(Ingress(ServiceConfig(auth_token=auth_token, metrics="none")), None)
+        servicer = Edge(Ingress(ServiceConfig(auth_token=auth_token, metrics="none", reflection=reflection)), None)
         for function in functions:
             if "Health" not in function:
                 import_attr(function)(servicer, server)
@@ -169,5 +169,15 @@ def test_reflection_is_open_when_auth_is_off(loop):
             [reply] = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
                 file_containing_symbol="dflash.v1.Generation")]), timeout=30)
         assert reply.file_descriptor_response.file_descriptor_proto
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
+
+
+def test_reflection_turned_off_is_unimplemented_even_where_it_is_registered(loop):
+    server, address = serve(loop, "", reflection=False)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            list_services(address, "")
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and "reflection" in err.value.details()
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)

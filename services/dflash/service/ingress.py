@@ -112,6 +112,8 @@ class Ingress:
         request that is not a ServerReflectionRequest."""
         from grpc_reflection.v1alpha import reflection
 
+        if not self.config.reflection:  # still registered on a proxy started before it was turned off
+            raise Rejected("UNIMPLEMENTED", "server reflection is turned off on this server (reflection: false)")
         self._check_auth(metadata)
         if self._reflection is None:
             from grpc_health.v1 import health_pb2  # noqa: F401 (its descriptors must be in the pool)
