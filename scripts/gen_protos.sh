@@ -2,4 +2,4 @@
 # Regenerate services/dflash/api/**/_pb2*.py from protos/ (needs grpcio-tools).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python3 -m dflash.api.generate "$@"
+exec python3 scripts/gen_protos.py "$@"
