@@ -29,7 +29,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target model directory or hub id (default: built-in demo target)")
     p.add_argument("--drafter", help="DFlash drafter directory or hub id (default: demo drafter with the demo target)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (auto: checkpoint dtype on GPU, float32 on CPU)")
+    p.add_argument("--dtype", default="auto",
+                   help="auto, float32, bfloat16 or float16 (auto: checkpoint dtype on GPU, float32 on CPU)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -41,10 +42,15 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not included in the text")
     p.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence token")
-    p.add_argument("--block-size", type=int, default=None, help="draft block size; 1 runs the target alone (default: the drafter's)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="draft block size; 1 runs the target alone (default: the drafter's)")
     p.add_argument("--draft-confidence", type=float, default=0.0,
                    help="verify only the leading drafts whose joint drafter confidence stays >= this (0, the "
                         "default, verifies the whole block; same output, fewer verified tokens on a CPU)")
+    p.add_argument("--verify-policy", choices=("adaptive", "full"), default="adaptive",
+                   help="adaptive (default): draft and verify only what pays on this device at this batch, "
+                        "measured (on a CPU a lone stream often decodes mostly target-only); full: every "
+                        "round drafts and verifies the whole block, as the paper does")
 
 
 def params_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -76,7 +82,10 @@ def run(args: argparse.Namespace) -> int:
     target, drafter = model_dirs(args)
     if params.block_size == 1:
         drafter = None
-    engine = build_engine(target, drafter, device=args.device, dtype=args.dtype)
+    from ..scheduler import SchedulerConfig
+
+    engine = build_engine(target, drafter, device=args.device, dtype=args.dtype,
+                          scheduler=SchedulerConfig(verify_policy=args.verify_policy))
     prompt = args.prompt
     if args.chat:
         if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
