@@ -400,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     costs = measure_verify(target, plain, context, clock, iters, warmup)
     costs |= measure_draft(drafter, context, features, args.new_context, clock, iters, warmup)
     # "full": every round verifies its whole block, so a round's cost is the cost of its parts
-    config = SchedulerConfig(verify_policy="full", cache_tokens=max(1 << 16, 2 * (context + (iters + warmup + 3) * BLOCK)))
+    config = SchedulerConfig(verify_policy="full",
+                             cache_tokens=max(1 << 16, 2 * (context + (iters + warmup + 3) * BLOCK)))
     costs |= measure_rounds(SpeculativeEngine(target, drafter, config=config),
                             SpeculativeEngine(plain, None, config=config), context, clock, iters, warmup)
     result = {"shape": "tiny" if args.tiny else "Qwen3-8B", "drafter_layers": 5, "dtype": str(dtype).split(".")[-1],

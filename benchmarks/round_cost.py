@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--prompts", nargs="*", default=["def f(x):\n    return", "import os\nprint(", "a = [1, 2]\nb ="])
+    parser.add_argument("--prompts", nargs="*",
+                        default=["def f(x):\n    return", "import os\nprint(", "a = [1, 2]\nb ="])
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,7 +69,8 @@ def main(argv=None) -> int:
         per_round(local, args.prompts[:1], params)  # warm-up
         local_tokens, local_draft, local_verify = per_round(local, args.prompts, params)
         with RedisProcess(Path(tmp) / "redis") as redis:
-            config = ServiceConfig.from_dict({"mode": "disaggregated", "redis": {"url": redis.url}, "drafter_net": {"context_window": 0},
+            config = ServiceConfig.from_dict({"mode": "disaggregated", "redis": {"url": redis.url},
+                                              "drafter_net": {"context_window": 0},
                                               "model": {"target": str(target), "drafter": str(drafter),
                                                         "device": args.device, "dtype": args.dtype}, "metrics": "none"})
             store = RedisSessionStore(redis.url)

@@ -2,8 +2,9 @@
 
 k8s/base is the chart rendered with its defaults plus k8s/helm-values.yaml (the Redis password from
 a Secret you create, no Helm-only objects); each overlay is a set of JSON patches, plus the objects only
-that variant renders, that turns base into the chart rendered with helm/ci/<overlay>-values.yaml. tests/test_k8s_manifests.py builds
-them with kustomize and compares them with the chart, so a chart change without a regeneration fails.
+that variant renders, that turns base into the chart rendered with helm/ci/<overlay>-values.yaml.
+tests/test_k8s_manifests.py builds them with kustomize and compares them with the chart, so a chart
+change without a regeneration fails.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def main() -> int:
         variant = {(o["kind"], o["metadata"]["name"]): o for o in chart_objects(values)}
         in_base = {(o["kind"], o["metadata"]["name"]) for o in base}
         if in_base - set(variant):
-            raise SystemExit(f"{overlay}: the chart renders no {sorted(in_base - set(variant))} here; patches cannot delete")
+            raise SystemExit(f"{overlay}: the chart renders no {sorted(in_base - set(variant))} here; "
+                             "patches cannot delete")
         clear(K8S / "overlays" / overlay)
         resources = ["../../base"]
         for key in sorted(set(variant) - in_base):  # objects only this variant has (e.g. the TLS front)

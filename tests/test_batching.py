@@ -92,7 +92,8 @@ def test_sixteen_sessions_keep_their_solo_acceptance_lengths(pair):
     acceptance under batching must equal its solo run's."""
     target, drafter = pair
     requests = [(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in prompts(16, seed=3, lo=5, hi=80)]
-    solo = [[r.stats.accepted_tokens for r in engine_for(target, drafter).generate(p, params)] for p, params in requests]
+    solo = [[r.stats.accepted_tokens for r in engine_for(target, drafter).generate(p, params)]
+            for p, params in requests]
     together = run_together(engine_for(target, drafter), requests, starts=[i // 4 for i in range(16)])
     assert [[r.stats.accepted_tokens for r in together[i]] for i in range(16)] == solo
     assert sum(map(sum, solo)) > 0  # some proposals accepted, so the comparison means something
@@ -101,7 +102,8 @@ def test_sixteen_sessions_keep_their_solo_acceptance_lengths(pair):
 def test_demo_pair_acceptance_is_the_same_batched():
     target_dir, drafter_dir = demo_pair()
     engine = build_engine(target_dir, drafter_dir, device="cpu", scheduler=SchedulerConfig(verify_policy="full"))
-    requests = [(engine.encode(p), SamplingParams(max_new_tokens=48, ignore_eos=True)) for p in heldout_prompts(16, seed=4)]
+    requests = [(engine.encode(p), SamplingParams(max_new_tokens=48, ignore_eos=True))
+                for p in heldout_prompts(16, seed=4)]
     solo = [[r.stats.accepted_tokens for r in engine.generate(p, params)] for p, params in requests]
     together = run_together(engine, requests, starts=[0] * 8 + [2] * 8)
     assert [[r.stats.accepted_tokens for r in together[i]] for i in range(16)] == solo

@@ -142,7 +142,10 @@ class EngineServicer(generate_pb2_grpc.GenerationServicer):
         if self.abort:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded")
         ids = list(request.prompt_token_ids) or self.engine.encode(request.prompt)
-        opt = lambda f: getattr(request, f) if request.HasField(f) else None
+
+        def opt(f):
+            return getattr(request, f) if request.HasField(f) else None
+
         params = SamplingParams(max_new_tokens=opt("max_new_tokens") or 128, temperature=request.temperature,
                                 seed=opt("seed"), block_size=opt("block_size"))
         stream = self.engine.generate(ids, params)
@@ -243,11 +246,12 @@ def test_load_sweep_against_the_real_service(real_service, dirs, tmp_path, capsy
     data = json.loads((out / "load.json").read_text())
     cells = {(c["method"], c["concurrency"]): c for c in data["cells"]}
     assert list(cells) == [("dflash", 1), ("target-only", 1), ("dflash", 2), ("target-only", 2)]  # interleaved
-    for (method, c), cell in cells.items():
+    for (_method, c), cell in cells.items():
         assert cell["errors"] == 0 and cell["requests"] == cell["completed"] == 2 * c, cell
         assert cell["tokens"] == 12 * cell["requests"]  # ignore_eos: the same work for every method
         assert cell["tokens_per_s"] > 0 and cell["speedup_vs_c1"] > 0 and cell["tau"] >= 1.0
-        assert 0 < cell["ttft_ms"]["p50"] <= cell["ttft_ms"]["p99"] and 0 < cell["tpot_ms"]["p50"] <= cell["tpot_ms"]["p99"]
+        assert 0 < cell["ttft_ms"]["p50"] <= cell["ttft_ms"]["p99"]
+        assert 0 < cell["tpot_ms"]["p50"] <= cell["tpot_ms"]["p99"]
     assert cells["dflash", 1]["speedup_vs_c1"] == cells["target-only", 1]["speedup_vs_c1"] == 1.0
     assert cells["target-only", 1]["tau"] == cells["target-only", 2]["tau"] == 1.0
     ratios = data["ratios"]["dflash/target-only"]
@@ -258,7 +262,8 @@ def test_load_sweep_against_the_real_service(real_service, dirs, tmp_path, capsy
     assert "--load 1,2" in data["command"] and data["prompts"] == len(PROMPTS)
     assert (out / "load.png").read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
-    assert printed.startswith("| c | dflash tok/s | dflash x vs c=1 |") and "dflash/target-only aggregate tok/s: c=1" in printed
+    assert printed.startswith("| c | dflash tok/s | dflash x vs c=1 |")
+    assert "dflash/target-only aggregate tok/s: c=1" in printed
     assert "errors: none" in printed
 
 

@@ -28,7 +28,8 @@ def test_saved_and_loaded_drafter_gives_identical_drafts(target, tmp_path):
     assert loaded.config == drafter.config
     a, b = engine_for(target, drafter), engine_for(target, loaded)
     for p in prompts(3):
-        assert a.run(p, SamplingParams(max_new_tokens=20)).token_ids == b.run(p, SamplingParams(max_new_tokens=20)).token_ids
+        assert (a.run(p, SamplingParams(max_new_tokens=20)).token_ids
+                == b.run(p, SamplingParams(max_new_tokens=20)).token_ids)
 
 
 def test_saved_files_follow_the_public_format(target, tmp_path):
@@ -130,7 +131,8 @@ def test_layer_ids_beyond_the_target_are_refused(target, tmp_path):
 def test_mask_token_outside_the_embedding_is_refused(target, tmp_path):
     from dflash.drafter.checkpoint import load_config
 
-    config = load_config(hand_written_checkpoint(tmp_path / "d", dflash_config={"target_layer_ids": [1], "mask_token_id": 999}))
+    config = load_config(hand_written_checkpoint(tmp_path / "d",
+                                                 dflash_config={"target_layer_ids": [1], "mask_token_id": 999}))
     with pytest.raises(IncompatibleDrafterError, match="mask_token_id 999"):
         check_compatible(config, target.config, VOCAB)
 

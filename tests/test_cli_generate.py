@@ -67,7 +67,8 @@ def test_errors_are_one_line_without_traceback(dirs, tmp_path):
     assert proc.returncode == 2
     assert "top_p: must be in (0, 1]" in proc.stderr and "Traceback" not in proc.stderr
     proc = subprocess.run(
-        [sys.executable, "-m", "dflash.cli", "generate", "hi", "--target", str(tmp_path / "missing"), "--device", "cpu"],
+        [sys.executable, "-m", "dflash.cli", "generate", "hi", "--target", str(tmp_path / "missing"),
+         "--device", "cpu"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr

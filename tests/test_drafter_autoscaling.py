@@ -80,7 +80,8 @@ def test_serve_applies_its_delays_and_bounds_to_the_policy():
 
 def test_drafter_autoscaling_uses_the_draft_load_policy():
     config = ServiceConfig.from_dict({"mode": "disaggregated", "drafter": {"autoscaling_config": {
-        "min_replicas": 1, "max_replicas": 4, "upscale_delay_s": 5, "policy": {"policy_kwargs": {"target_inflight_drafts": 3}}}},
+        "min_replicas": 1, "max_replicas": 4, "upscale_delay_s": 5,
+        "policy": {"policy_kwargs": {"target_inflight_drafts": 3}}}},
         "verifier": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}})
     auto = config.serve_options("drafter")["autoscaling_config"]
     assert auto == {"min_replicas": 1, "max_replicas": 4, "upscale_delay_s": 5, "policy": {
@@ -100,7 +101,8 @@ def test_drafter_autoscaling_uses_the_draft_load_policy():
     ({"max_replica": 4}, "drafter.autoscaling_config.max_replica: unknown Ray Serve autoscaling key"),
     ({"max_replicas": "many"}, "drafter.autoscaling_config.max_replicas: Input should be a valid integer"),
     ({"policy": {"policy_fn": "x"}}, "drafter.autoscaling_config.policy.policy_fn: unknown"),
-    ({"policy": {"policy_kwargs": {"target_inflight": 2}}}, "drafter.autoscaling_config.policy.policy_kwargs: .*target_inflight"),
+    ({"policy": {"policy_kwargs": {"target_inflight": 2}}},
+     "drafter.autoscaling_config.policy.policy_kwargs: .*target_inflight"),
     ({"policy": {"policy_kwargs": {"target_inflight_drafts": 0}}}, "policy_kwargs: target_inflight_drafts: must be"),
     ({"policy": {"policy_function": "no_such_module:f"}}, "policy.policy_function: ModuleNotFoundError"),
     ({"min_replicas": 0, "max_replicas": 2}, "drafter.autoscaling_config.min_replicas: must be >= 1"),

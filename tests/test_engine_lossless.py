@@ -161,7 +161,8 @@ def test_context_limit_finishes_with_length():
     model = tiny_target("qwen3", max_positions=40)
     prompt = prompts(1, seed=3, lo=30, hi=31)[0]
     expected = hf_greedy(model, prompt, 10)
-    got = oracle_engine(model, prompt, expected + [0] * 16, error_rate=0.0).run(prompt, SamplingParams(max_new_tokens=100, ignore_eos=True))
+    got = oracle_engine(model, prompt, expected + [0] * 16, error_rate=0.0).run(
+        prompt, SamplingParams(max_new_tokens=100, ignore_eos=True))
     assert got.finish_reason == "length"
     assert len(prompt) + len(got.token_ids) == 40
     assert got.token_ids == expected

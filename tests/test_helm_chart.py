@@ -164,7 +164,8 @@ def unknown_fields(value, schema: dict, path: str = "") -> list[str]:
     if schema.get("x-kubernetes-preserve-unknown-fields") or not isinstance(value, (dict, list)):
         return []
     if isinstance(value, list):
-        return [p for i, item in enumerate(value) for p in unknown_fields(item, schema.get("items", {}), f"{path}[{i}]")]
+        return [p for i, item in enumerate(value)
+                for p in unknown_fields(item, schema.get("items", {}), f"{path}[{i}]")]
     props, extra = schema.get("properties"), schema.get("additionalProperties")
     out = []
     for key, item in value.items():
@@ -313,9 +314,8 @@ def test_service_config_builds_the_deployment_graph(variant):
 def test_autoscaling_configs_are_rays_own(variant):
     """Serve ignores autoscaling_config keys it does not know, so each rendered one holds only fields of
     Ray's AutoscalingConfig; the drafter's names the draft-load policy, which its kwargs build."""
-    from ray.serve.config import AutoscalingConfig
-
     from dflash.service.autoscaling import POLICY_FUNCTION
+    from ray.serve.config import AutoscalingConfig
 
     overrides = {d["name"]: d for d in serve_config(variant)["applications"][0]["deployments"]}
     for name in ("ingress", "verifier", "drafter"):
@@ -328,7 +328,8 @@ def test_autoscaling_configs_are_rays_own(variant):
     assert auto.policy.policy_function == POLICY_FUNCTION
     policy = auto.policy.get_policy()(**auto.policy.policy_kwargs)
     assert policy.target_inflight_drafts == wanted["targetInflightDrafts"]
-    assert (auto.upscale_delay_s, auto.downscale_delay_s) == (wanted["upscaleDelaySeconds"], wanted["downscaleDelaySeconds"])
+    assert (auto.upscale_delay_s, auto.downscale_delay_s) == (wanted["upscaleDelaySeconds"],
+                                                              wanted["downscaleDelaySeconds"])
 
 
 SERVE_TWEAKS = {
@@ -416,10 +417,9 @@ def test_grpc_servicers_are_the_services(variant):
     """Serve's gRPC proxy gets what `dflash serve` gives it (app.grpc_options) for the rendered args:
     servicers.py's services (lenient decoding), reflection among them only with `reflection` on, and
     Ray's own reflection, which answers anyone, off."""
-    from ray._common.utils import import_attr
-
     from dflash.service.app import grpc_options
     from dflash.service.config import ServiceConfig
+    from ray._common.utils import import_attr
 
     config = serve_config(variant)
     (app,) = config["applications"]
@@ -677,7 +677,6 @@ def test_pods_with_gpus_stop_at_start_when_cuda_is_unusable(variant, monkeypatch
     there), so a node driver too old for the image's torch stops the replica with a message naming both,
     instead of it running on the CPU while holding the GPU. There is no GPU here: the CUDA probe is faked."""
     import torch
-
     from dflash import loading
     from dflash.errors import DFlashError
     from dflash.service.config import load_config
@@ -830,7 +829,8 @@ def test_tls_front_serves_the_public_port():
     assert (args.listen, args.upstream) == ("0.0.0.0:9443", upstream) and not args.client_ca
     assert {p["name"]: p["containerPort"] for p in front["ports"]} == {"grpc-tls": 9443}
     (mount,) = front["volumeMounts"]
-    assert mount["readOnly"] is True and args.cert == f"{mount['mountPath']}/tls.crt" and args.key == f"{mount['mountPath']}/tls.key"
+    assert mount["readOnly"] is True
+    assert args.cert == f"{mount['mountPath']}/tls.crt" and args.key == f"{mount['mountPath']}/tls.key"
     volume = {v["name"]: v for v in spec["volumes"]}[mount["name"]]
     assert volume["secret"]["secretName"] == values["tls"]["existingSecret"] == "dflash-tls"
     svc = one(objs, "Service", "-grpc")
@@ -839,7 +839,8 @@ def test_tls_front_serves_the_public_port():
     (port,) = svc["spec"]["ports"]
     assert (port["name"], port["port"], port["targetPort"]) == ("grpc-tls", 9443, "grpc-tls")
     env = env_of(one(objs, "Pod")["spec"]["containers"][0])
-    assert env["TARGET"]["value"] == f"{svc['metadata']['name']}:9443" and env["TLS_SERVER_NAME"]["value"] == "dflash.example.com"
+    assert env["TARGET"]["value"] == f"{svc['metadata']['name']}:9443"
+    assert env["TLS_SERVER_NAME"]["value"] == "dflash.example.com"
     notes = render(values)["dflash/templates/NOTES.txt"]
     assert "grpcurl -cacert ca.crt -authority dflash.example.com" in notes and "-plaintext" not in notes
 
@@ -901,7 +902,8 @@ def test_redis(variant):
     container = sts["spec"]["template"]["spec"]["containers"][0]
     assert "--appendonly yes" in container["args"][0]
     assert "$REDIS_PASSWORD" in container["args"][0] and "requirepass" in container["args"][0]
-    assert env_of(container)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == one(objs, "Secret", "-redis")["metadata"]["name"]
+    secret_ref = env_of(container)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert secret_ref["name"] == one(objs, "Secret", "-redis")["metadata"]["name"]
     assert "ping" in " ".join(container["readinessProbe"]["exec"]["command"])
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     assert {"name": "data", "mountPath": "/data"} in container["volumeMounts"]
@@ -959,7 +961,8 @@ def test_network_policies(variant):
     ray_open = [r for r in ray["spec"]["ingress"] if "from" not in r]
     if value(variant, "tls.enabled"):
         front = one(objs, "NetworkPolicy", "-tls-front")
-        assert [r for r in front["spec"]["ingress"] if "from" not in r] == [{"ports": [{"port": "grpc-tls", "protocol": "TCP"}]}]
+        assert ([r for r in front["spec"]["ingress"] if "from" not in r]
+                == [{"ports": [{"port": "grpc-tls", "protocol": "TCP"}]}])
         assert ray_open == []
         (rule,) = [r for r in ray["spec"]["ingress"] if r.get("ports") == [{"port": "serve-grpc", "protocol": "TCP"}]]
         (peer,) = rule["from"]
@@ -1028,7 +1031,8 @@ BAD_VALUES = [
     ({"redis": {"persistance": {"size": "1Gi"}}}, "persistance"),
     # KubeRay's incremental upgrade shifts traffic with a Gateway HTTPRoute to the HTTP port; gRPC never uses it.
     ({"upgradeStrategy": "NewClusterWithIncrementalUpgrade"}, "/upgradeStrategy"),
-    ({"verifier": {"pods": {"disruptionBudget": {"minAvailable": "50%"}}}}, "/verifier/pods/disruptionBudget/minAvailable"),
+    ({"verifier": {"pods": {"disruptionBudget": {"minAvailable": "50%"}}}},
+     "/verifier/pods/disruptionBudget/minAvailable"),
     ({"networkPolicy": {"operator": {"namespace": ""}}}, "/networkPolicy/operator/namespace"),
     ({"drafter": {"net": {"auth": {"key": ""}}}}, "/drafter/net/auth/key"),
     ({"drafter": {"net": {"auth": {"existingSecret": "Drafter_Token"}}}}, "/drafter/net/auth/existingSecret"),
@@ -1052,11 +1056,16 @@ def test_schema_rejects_bad_values(values, where):
     ({"tls": {"enabled": True, "existingSecret": "tls", "port": 9000}}, "tls.port 9000 is taken"),
     ({"drafter": {"gpusPerReplica": 1, "replicasPerPod": 2}}, "exceeds pods.gpus"),
     # Across fields, which JSON Schema cannot compare (values.schema.json says so in its $comment):
-    ({"verifier": {"pods": {"minReplicas": 5}}}, "verifier.pods.minReplicas (5) is above verifier.pods.maxReplicas (4)"),
-    ({"drafter": {"autoscaling": {"minReplicas": 9}}}, "drafter.autoscaling.minReplicas (9) is above drafter.autoscaling.maxReplicas (8)"),
-    ({"ingress": {"autoscaling": {"minReplicas": 3}}}, "ingress.autoscaling.minReplicas (3) is above ingress.autoscaling.maxReplicas (2)"),
-    ({"verifier": {"autoscaling": {"maxReplicas": 6}}}, "verifier.autoscaling.maxReplicas (6) replicas need more than verifier.pods.maxReplicas (4) pods"),
-    ({"ingress": {"autoscaling": {"maxReplicas": 5}}}, "ingress.autoscaling.maxReplicas (5) is above head.maxIngressReplicas (4)"),
+    ({"verifier": {"pods": {"minReplicas": 5}}},
+     "verifier.pods.minReplicas (5) is above verifier.pods.maxReplicas (4)"),
+    ({"drafter": {"autoscaling": {"minReplicas": 9}}},
+     "drafter.autoscaling.minReplicas (9) is above drafter.autoscaling.maxReplicas (8)"),
+    ({"ingress": {"autoscaling": {"minReplicas": 3}}},
+     "ingress.autoscaling.minReplicas (3) is above ingress.autoscaling.maxReplicas (2)"),
+    ({"verifier": {"autoscaling": {"maxReplicas": 6}}},
+     "verifier.autoscaling.maxReplicas (6) replicas need more than verifier.pods.maxReplicas (4) pods"),
+    ({"ingress": {"autoscaling": {"maxReplicas": 5}}},
+     "ingress.autoscaling.maxReplicas (5) is above head.maxIngressReplicas (4)"),
     ({"redis": {"mode": "external", "external": {"existingSecret": "url"}}}, "gcsFaultTolerance.external.address"),
     ({"model": {"hub": {"cache": {"create": True, "claimName": "mine"}}}}, "model.hub.cache: claimName or create"),
     ({"drafter": {"net": {"tls": {"existingSecret": "drafter-tls"}}}},

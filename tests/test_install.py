@@ -34,7 +34,8 @@ def test_pip_install_without_extras_runs_the_engine(tmp_path):
     torch_version = __import__("torch").__version__.split("+")[0]
     subprocess.run([*pip, f"torch=={torch_version}"], check=True, timeout=900)
     subprocess.run([*pip, str(source)], check=True, timeout=900)
-    probe = "import importlib.util as u, sys; found = [m for m in sys.argv[1:] if u.find_spec(m)]; sys.exit(' '.join(found) or 0)"
+    probe = ("import importlib.util as u, sys; found = [m for m in sys.argv[1:] if u.find_spec(m)]; "
+             "sys.exit(' '.join(found) or 0)")
     missing = subprocess.run([str(python), "-c", probe, *SERVICE_ONLY], cwd=tmp_path, capture_output=True, text=True)
     assert missing.returncode == 0, f"the base install pulled in: {missing.stderr}"
     run = subprocess.run([str(python), "-c", "import dflash.engine, dflash.loading"], cwd=tmp_path, timeout=300)

@@ -81,8 +81,8 @@ def expected(reference, prompt, max_new_tokens=24):
 
 
 def new_request(prompt, max_new_tokens=24, **params):
-    return VerifyRequest("s-" + str(abs(hash(prompt))), {"max_new_tokens": max_new_tokens, "ignore_eos": True, **params},
-                         prompt_text=prompt)
+    return VerifyRequest("s-" + str(abs(hash(prompt))),
+                         {"max_new_tokens": max_new_tokens, "ignore_eos": True, **params}, prompt_text=prompt)
 
 
 def test_remote_drafting_streams_the_engines_tokens(service):
@@ -191,7 +191,8 @@ def test_one_trace_per_request_with_rounds_and_drafter_spans(service):
     assert root.attributes["gen_ai.usage.input_tokens"] == len(PROMPTS[2])
     rounds = [s for s in spans if s.name == "dflash.round"]
     drafts = [s for s in spans if s.name == "dflash.draft"]
-    drafted = [s for s in rounds if s.attributes["dflash.round.draft_tokens"] > 0]  # not the prefill, nor a 1-token tail
+    # not the prefill, nor a 1-token tail
+    drafted = [s for s in rounds if s.attributes["dflash.round.draft_tokens"] > 0]
     steps = {s.context.span_id: s for s in spans if s.name == "dflash.step"}
     num_rounds = sum(len(c.rounds) for c in chunks)
     assert len(rounds) == num_rounds and len(drafts) == len(drafted) >= num_rounds - 2

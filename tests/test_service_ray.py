@@ -226,7 +226,8 @@ def test_cancelled_stream_stops_and_server_keeps_serving(client, reference):
     stream.cancel()
     with pytest.raises(grpc.RpcError):
         list(stream)
-    assert tokens(collect(client.generate(prompt=PROMPTS[1], max_new_tokens=24, ignore_eos=True))) == want(reference, PROMPTS[1])
+    assert (tokens(collect(client.generate(prompt=PROMPTS[1], max_new_tokens=24, ignore_eos=True)))
+            == want(reference, PROMPTS[1]))
 
 
 def test_disaggregated_drafter_killed_and_verifier_killed(service, model_dirs, reference):
@@ -333,7 +334,8 @@ def test_redis_restart_keeps_sessions_and_outage_is_unavailable(service, client,
         assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         redis_server.start()
-    assert tokens(collect(client.generate(prompt=PROMPTS[1], max_new_tokens=24, ignore_eos=True))) == want(reference, PROMPTS[1])
+    assert (tokens(collect(client.generate(prompt=PROMPTS[1], max_new_tokens=24, ignore_eos=True)))
+            == want(reference, PROMPTS[1]))
 
 
 def test_a_killed_redis_comes_back_and_health_with_it(service, client, reference, caplog):
@@ -360,7 +362,8 @@ def test_a_killed_redis_comes_back_and_health_with_it(service, client, reference
                 assert time.monotonic() < deadline, "health did not come back by itself"
     assert redis_server.process.pid != pid
     assert any("restarted" in r.getMessage() for r in caplog.records)
-    assert tokens(collect(client.generate(prompt=PROMPTS[0], max_new_tokens=24, ignore_eos=True))) == want(reference, PROMPTS[0])
+    assert (tokens(collect(client.generate(prompt=PROMPTS[0], max_new_tokens=24, ignore_eos=True)))
+            == want(reference, PROMPTS[0]))
 
 
 def read_spans() -> list[dict]:
@@ -402,7 +405,8 @@ def check_one_trace_across_processes(session: str, killed_drafter: str) -> None:
     assert drafts and all(d["file"].startswith("spans-dflash-drafter-") for d in drafts)
     replicas = {d["attributes"]["dflash.drafter.replica"] for d in drafts}
     assert killed_drafter in replicas and len({d["file"] for d in drafts}) == 2, replicas
-    assert any(d["attributes"]["dflash.drafter.rebuilt"] for d in drafts if d["attributes"]["dflash.drafter.replica"] != killed_drafter)
+    assert any(d["attributes"]["dflash.drafter.rebuilt"] for d in drafts
+               if d["attributes"]["dflash.drafter.replica"] != killed_drafter)
 
 
 def assert_drafters_report_their_load(app_name: str, timeout_s: float = 60) -> None:

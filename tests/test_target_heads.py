@@ -90,7 +90,8 @@ def test_misshapen_head_is_an_error(tmp_path):
     state = load_file(str(path))
     state["lm_head.weight"] = state["lm_head.weight"][:10].contiguous()
     save_file(state, str(path), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"'lm_head\.weight' .* has shape \(10, 32\), config\.json implies \(64, 32\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"'lm_head\.weight' .* has shape \(10, 32\), config\.json implies \(64, 32\)"):
         load_target_heads(tmp_path, CPU, "auto")
 
 
@@ -110,8 +111,9 @@ def test_a_scaled_embedding_loads_the_full_model_and_says_why(tmp_path, caplog):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
-    model = Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                               num_key_value_heads=2, head_dim=8, intermediate_size=64)).eval()
+    model = Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                               intermediate_size=64)).eval()
     model.save_pretrained(tmp_path)
     with caplog.at_level(logging.WARNING, logger="dflash.target_heads"):
         heads = load_target_heads(tmp_path, CPU, torch.float32)

@@ -77,7 +77,8 @@ def _write_pki(root, name: str) -> dict:
         paths[what].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     for what, key in (("server", server_key), ("client", client_key)):
         paths[f"{what}_key"] = root / f"{what}.key"
-        paths[f"{what}_key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        paths[f"{what}_key"].write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                           serialization.PrivateFormat.PKCS8,
                                                            serialization.NoEncryption()))
     return {k: str(v) for k, v in paths.items()}
 
@@ -351,7 +352,8 @@ def test_a_port_in_use_is_named(pki, front):
     ({"tls": {"key_file": "k.pem"}}, "tls.cert_file: must be set with tls.key_file"),
     ({"tls": {"client_ca_file": "ca.pem"}}, "tls.cert_file: mutual TLS"),
     ({"tls": {"cert_file": "c", "key_file": "k", "upstream_port": 70000}}, "tls.upstream_port: must be a port"),
-    ({"grpc_port": 9443, "tls": {"cert_file": "c", "key_file": "k", "upstream_port": 9443}}, "tls.upstream_port: must differ"),
+    ({"grpc_port": 9443, "tls": {"cert_file": "c", "key_file": "k", "upstream_port": 9443}},
+     "tls.upstream_port: must differ"),
     ({"tls": {"cert": "c.pem"}}, "tls.cert: unknown configuration key"),
     ({"tls": {"upstream_port": "high"}}, "tls.upstream_port: expected int"),
 ])

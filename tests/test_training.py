@@ -335,7 +335,8 @@ def test_sparse_attention_step_equals_dense_on_cuda(tmp_path):
         trainer.anchor_generator.manual_seed(7)
         part = trainer.forward_loss(trainer.batch([0, 1, 2, 3]))
         part.loss.backward()
-        results[attention] = (float(part.loss), {n: p.grad.float().cpu() for n, p in trainer.drafter.named_parameters()})
+        results[attention] = (float(part.loss),
+                              {n: p.grad.float().cpu() for n, p in trainer.drafter.named_parameters()})
     (dense_loss, dense_grads), (sparse_loss, sparse_grads) = results["dense"], results["sparse"]
     assert sparse_loss == pytest.approx(dense_loss, rel=2e-2)
     for name, g in dense_grads.items():
@@ -611,7 +612,8 @@ def test_cli_train_end_to_end(tmp_path):
     assert len(taus) == 4 and taus[-1] > 2.5, taus  # block 4: at most 4 tokens per round
 
     # Every proposal verified: this checks the trained drafter, not the verify policy's choice on 2 cores.
-    engine = build_engine(target_dir, out, device="cpu", dtype="float32", scheduler=SchedulerConfig(verify_policy="full"))
+    engine = build_engine(target_dir, out, device="cpu", dtype="float32",
+                          scheduler=SchedulerConfig(verify_policy="full"))
     plain = build_engine(target_dir, None, device="cpu", dtype="float32")
     for prompt in ([10, 12, 14], [5, 9, 40, 41]):
         params = SamplingParams(max_new_tokens=20, ignore_eos=True)

@@ -96,7 +96,8 @@ class OracleDrafter(OneSessionAtATime):
     each call's context continues exactly where the previous one ended.
     """
 
-    def __init__(self, prompt_len: int, script: list[int], block_size: int = 16, error_rate: float = 0.2, seed: int = 0):
+    def __init__(self, prompt_len: int, script: list[int], block_size: int = 16, error_rate: float = 0.2,
+                 seed: int = 0):
         self.prompt_len = prompt_len
         self.script = script
         self.block_size = block_size

@@ -56,7 +56,8 @@ def cuda_unusable_message(device: str) -> str:
     needs = f"NVIDIA driver {needed} or newer" if needed else f"an NVIDIA driver that supports CUDA {built}"
     driver = nvidia_driver_version()
     found = (f"this node's driver is {driver}" if driver
-             else f"no NVIDIA driver is visible here ({DRIVER_VERSION_FILE} is missing: no GPU given to this container?)")
+             else f"no NVIDIA driver is visible here ({DRIVER_VERSION_FILE} is missing: "
+                  "no GPU given to this container?)")
     return (f"device '{device}' asked for, but CUDA is not usable: torch {torch.__version__} is built for CUDA "
             f"{built}, which needs {needs}; {found}. Upgrade the node's driver, use an image whose torch fits it, "
             "or set the device to cpu")

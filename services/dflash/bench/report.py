@@ -48,7 +48,10 @@ def _row(name, temperature, samples, ref, ref_rate, is_reference) -> dict:
     hist = Counter(k for s in samples for k in s.committed)
     rounds = sum(hist.values())
     drafted = [s for s in samples if s.draft_s is not None]
-    per_round = lambda total: round(1000 * total / rounds, 3) if rounds else None
+
+    def per_round(total):
+        return round(1000 * total / rounds, 3) if rounds else None
+
     decode_s = sum(s.decode_s for s in samples)
     draft_s = sum(s.draft_s for s in drafted) if drafted else None
     verify_s = sum(s.verify_s for s in samples)

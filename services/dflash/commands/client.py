@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise DFlashError("--tls-cert and --tls-key: give both (the client certificate and its key) or neither")
     root = _read(args.tls_ca, "--tls-ca") if args.tls_ca else None
-    client_certificate = (_read(args.tls_key, "--tls-key"), _read(args.tls_cert, "--tls-cert")) if args.tls_cert else None
+    client_certificate = ((_read(args.tls_key, "--tls-key"), _read(args.tls_cert, "--tls-cert"))
+                          if args.tls_cert else None)
     with GenerationClient(args.server, args.token or os.environ.get("DFLASH_TOKEN", ""), root,
                           tls=args.tls or bool(args.tls_server_name), server_name=args.tls_server_name,
                           client_certificate=client_certificate) as client:

@@ -21,7 +21,8 @@ def register(sub) -> None:
     p.add_argument("--target", help="target model directory or hub id (default: the demo target)")
     p.add_argument("--drafter", help="DFlash drafter directory or hub id (default: the demo drafter)")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--mode", choices=("colocated", "disaggregated"), help="drafter inside the verifier, or separate replicas")
+    p.add_argument("--mode", choices=("colocated", "disaggregated"),
+                   help="drafter inside the verifier, or separate replicas")
     p.add_argument("--host", help="address the public gRPC port listens on (default 127.0.0.1; 0.0.0.0: every "
                    "interface)")
     p.add_argument("--port", type=int, help="public gRPC port (default 9000)")

@@ -16,11 +16,14 @@ def register(sub) -> None:
         "model.safetensors) to --out, one per epoch to --out/epoch-N, and a resumable checkpoint.",
     )
     p.add_argument("--target", required=True, help="target model directory or hub id (a Hugging Face causal LM)")
-    p.add_argument("--data", required=True, help="JSONL of prompt/response, prompt_ids/response_ids, messages or text records")
+    p.add_argument("--data", required=True,
+                   help="JSONL of prompt/response, prompt_ids/response_ids, messages or text records")
     p.add_argument("--out", required=True, help="output directory (drafter, epoch-N/, checkpoint/, train_log.jsonl)")
     g = p.add_argument_group("data")
-    g.add_argument("--regenerate", action="store_true", help="first regenerate every response with the target (recommended)")
-    g.add_argument("--regen-max-new-tokens", type=int, default=256, help="response length cap when regenerating (default 256)")
+    g.add_argument("--regenerate", action="store_true",
+                   help="first regenerate every response with the target (recommended)")
+    g.add_argument("--regen-max-new-tokens", type=int, default=256,
+                   help="response length cap when regenerating (default 256)")
     g.add_argument("--regen-temperature", type=float, default=0.0, help="0 regenerates greedily (default 0)")
     g.add_argument("--regen-batch-size", type=int, default=8, help="prompts per generate call (default 8)")
     g.add_argument("--max-length", type=int, default=2048, help="tokens per sequence, prompt included (default 2048)")
@@ -30,7 +33,8 @@ def register(sub) -> None:
     d = p.add_argument_group("drafter")
     d.add_argument("--block-size", type=int, default=16, help="block size (default 16)")
     d.add_argument("--num-layers", type=int, default=1, help="drafter layers (default 1; the paper uses 5)")
-    d.add_argument("--num-features", type=int, help="target layers to condition on, spread as in the paper (default up to 5)")
+    d.add_argument("--num-features", type=int,
+                   help="target layers to condition on, spread as in the paper (default up to 5)")
     d.add_argument("--target-layer-ids", type=_int_list, help="explicit target decoder layers, e.g. 1,9,17,25,33")
     d.add_argument("--mask-token-id", type=int, help="token id of the mask slot (default: the tokenizer's mask token)")
     o = p.add_argument_group("optimisation")
@@ -41,7 +45,8 @@ def register(sub) -> None:
     o.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     o.add_argument("--max-anchors", type=int, default=512, help="blocks per sequence at most (default 512)")
     o.add_argument("--gamma", type=float, help="loss weight decay exp(-(k-1)/gamma) (default 7 for block 16)")
-    o.add_argument("--distill-weight", type=float, default=0.0, help="share of KL to the target's softmax in [0, 1] (default 0)")
+    o.add_argument("--distill-weight", type=float, default=0.0,
+                   help="share of KL to the target's softmax in [0, 1] (default 0)")
     o.add_argument("--hard-anchors", type=float, default=0.0,
                    help="share in [0, 1] of anchor sampling weighted by the target's uncertainty about the anchor "
                         "token, where decoding rounds start (default 0: uniform, as the paper)")
@@ -49,7 +54,8 @@ def register(sub) -> None:
                    help="share in [0, 1] of anchor sampling on the positions where the drafter's own next round "
                         "would start, right after its misses; costs one no-grad drafter pass per micro-batch "
                         "(default 0: uniform, as the paper)")
-    o.add_argument("--amp", default="auto", choices=("auto", "bf16", "off"), help="bf16 autocast (auto: CUDA, or CPUs with AMX)")
+    o.add_argument("--amp", default="auto", choices=("auto", "bf16", "off"),
+                   help="bf16 autocast (auto: CUDA, or CPUs with AMX)")
     o.add_argument("--attention", default="dense", choices=("dense", "sparse"),
                    help="block mask: dense (default) or sparse = compiled flex attention, whose attention cost "
                         "grows linearly with --max-anchors (CUDA only)")

@@ -129,7 +129,8 @@ def check_compatible(config: DFlashConfig, target_config, embedding_rows: int) -
         )
     bad = [i for i in config.target_layer_ids if i >= text.num_hidden_layers]
     if bad:
-        raise IncompatibleDrafterError(f"target_layer_ids {bad} do not exist in a {text.num_hidden_layers}-layer target")
+        raise IncompatibleDrafterError(
+            f"target_layer_ids {bad} do not exist in a {text.num_hidden_layers}-layer target")
     if config.vocab_size != text.vocab_size:
         raise IncompatibleDrafterError(
             f"drafter vocab_size {config.vocab_size} != target vocab_size {text.vocab_size}; {fix}"

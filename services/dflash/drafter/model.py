@@ -83,7 +83,8 @@ class PackedDraft:
 
     def context_positions(self) -> torch.Tensor:
         return torch.cat([torch.arange(f + c, f + c + n) for f, c, n in
-                          zip(self.first_positions, self.cache_starts, self.num_context)] or [torch.zeros(0, dtype=torch.long)])
+                          zip(self.first_positions, self.cache_starts, self.num_context)]
+                         or [torch.zeros(0, dtype=torch.long)])
 
     def block_positions(self) -> torch.Tensor:
         return torch.cat([torch.arange(f + c + n, f + c + n + b) for f, c, n, b in
@@ -171,10 +172,12 @@ class DFlashAttention(nn.Module):
         k_ctx = apply_rotary_pos_emb(k_ctx, k_ctx, *rope_ctx)[1]
         gqa, outputs = self.num_kv_heads != self.num_heads, []
         for i, sid in enumerate(batch.session_ids):
-            c0, nc, b0, nb, at = batch.ctx_offsets[i], batch.num_context[i], batch.blk_offsets[i], batch.block_sizes[i], batch.cache_starts[i]
+            c0, nc = batch.ctx_offsets[i], batch.num_context[i]
+            b0, nb, at = batch.blk_offsets[i], batch.block_sizes[i], batch.cache_starts[i]
             cache = batch.cache
             cache.write(self.layer_idx, sid, at, k_ctx[0, :, c0 : c0 + nc], v_ctx[0, :, c0 : c0 + nc])
-            keys, values = cache.write(self.layer_idx, sid, at + nc, k_blk[0, :, b0 : b0 + nb], v_blk[0, :, b0 : b0 + nb])
+            keys, values = cache.write(self.layer_idx, sid, at + nc,
+                                       k_blk[0, :, b0 : b0 + nb], v_blk[0, :, b0 : b0 + nb])
             mask = None
             if self.sliding_window is not None:
                 first = batch.first_positions[i]
@@ -200,7 +203,8 @@ class DFlashDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
     def forward_packed(self, hidden, context, rope_blk, rope_ctx, batch: PackedDraft):
-        hidden = hidden + self.self_attn.forward_packed(self.input_layernorm(hidden), context, rope_blk, rope_ctx, batch)
+        hidden = hidden + self.self_attn.forward_packed(self.input_layernorm(hidden), context,
+                                                        rope_blk, rope_ctx, batch)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -245,7 +249,8 @@ class DFlashDraftModel(nn.Module):
             hidden = layer(hidden, context, rope, masks[layer.self_attn.sliding_window], cache)
         return self.norm(hidden)
 
-    def forward_packed(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, batch: PackedDraft) -> torch.Tensor:
+    def forward_packed(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor,
+                       batch: PackedDraft) -> torch.Tensor:
         """Draft hidden states for the blocks of many sessions in one pass (inference only).
 
         noise_embedding: [Tq, H], every session's block embedded, packed in session order.
@@ -271,7 +276,7 @@ class DFlashDraftModel(nn.Module):
         masks = {None: attention_mask}
         if isinstance(attention_mask, BlockMask) and self.has_sliding_window:
             raise ValueError("a BlockMask cannot be combined with sliding-window layers; pass a dense mask")
-        for window in {l.self_attn.sliding_window for l in self.layers} - {None}:
+        for window in {layer.self_attn.sliding_window for layer in self.layers} - {None}:
             q_pos = position_ids[:, -num_queries:, None]
             near = (q_pos - position_ids[:, None, :]) < window
             near = near[:, None]

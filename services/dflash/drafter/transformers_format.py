@@ -142,7 +142,8 @@ def _check_rope_type(rope: dict, field: str) -> None:
     kind = rope.get("rope_type", "default")
     if kind not in STATIC_ROPE:
         raise CheckpointError(f"{field}: rope_type {kind!r} rescales with the sequence length per call and the "
-                              f"two implementations call RoPE over different spans; convertible: {', '.join(STATIC_ROPE)}")
+                              "two implementations call RoPE over different spans; "
+                              f"convertible: {', '.join(STATIC_ROPE)}")
 
 
 def _check_rope_equal(config: DFlashConfig, tconfig) -> None:

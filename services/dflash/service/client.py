@@ -29,7 +29,8 @@ class GenerationClient:
         self.metadata = [("authorization", f"Bearer {token}")] if token else []
         self.timeout_s = timeout_s
 
-    def generate(self, request: generate_pb2.GenerateRequest | None = None, **fields) -> Iterator[generate_pb2.GenerateChunk]:
+    def generate(self, request: generate_pb2.GenerateRequest | None = None,
+                 **fields) -> Iterator[generate_pb2.GenerateChunk]:
         request = request or generate_pb2.GenerateRequest(**fields)
         return self.stub.Generate(request, metadata=self.metadata, timeout=self.timeout_s)
 

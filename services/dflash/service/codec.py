@@ -110,7 +110,9 @@ def join_draft_batch(chunks: Iterable[drafter_pb2.DraftRequestChunk]) -> list[Dr
     ]
 
 
-def join_draft_request(chunks: Iterable[drafter_pb2.DraftRequestChunk]) -> tuple[drafter_pb2.DraftRequestChunk, torch.Tensor]:
+def join_draft_request(
+    chunks: Iterable[drafter_pb2.DraftRequestChunk],
+) -> tuple[drafter_pb2.DraftRequestChunk, torch.Tensor]:
     """Reassemble a one-session Draft call: (the header chunk, the context tensor)."""
     head, parts = None, []
     for chunk in chunks:

@@ -270,8 +270,9 @@ def _ray_autoscaling(where: str, auto: dict | None):
     from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
     policy = auto.get("policy")
+    policy_raw = policy if isinstance(policy, dict) else {}
     for known, raw, at in ((AutoscalingConfig.model_fields, auto, where),
-                           (AutoscalingPolicy.model_fields, policy if isinstance(policy, dict) else {}, f"{where}.policy")):
+                           (AutoscalingPolicy.model_fields, policy_raw, f"{where}.policy")):
         unknown = sorted(set(raw) - set(known))
         if unknown:
             raise ConfigError(f"{at}.{unknown[0]}: unknown Ray Serve autoscaling key (known: {', '.join(known)})")

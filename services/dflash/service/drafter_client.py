@@ -234,7 +234,8 @@ def open_channel(address: str, net: DrafterNetConfig) -> grpc.Channel:
     return grpc.secure_channel(address, credentials, options=options)
 
 
-def describe(address: str, timeout_s: float = 5.0, net: DrafterNetConfig = DrafterNetConfig()) -> drafter_pb2.DrafterInfo:
+def describe(address: str, timeout_s: float = 5.0,
+             net: DrafterNetConfig = DrafterNetConfig()) -> drafter_pb2.DrafterInfo:
     with open_channel(address, net) as channel:
         return drafter_pb2_grpc.DrafterStub(channel).Describe(
             drafter_pb2.DescribeRequest(), timeout=timeout_s, metadata=drafter_auth.call_metadata(net))

@@ -22,7 +22,8 @@ from __future__ import annotations
 TAU_BUCKETS = [1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 16]
 TPS_BUCKETS = [1, 5, 10, 25, 50, 100, 200, 400, 800, 1600]
 STEP_TOKEN_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
-VERIFY_BUCKETS = [0.5, 1, 2, 3, 4, 6, 8, 12, 15, 16, 31]  # Ray wants positive bounds: 0.5 counts the k = 0 (plain decoding) steps
+# Ray wants positive bounds: 0.5 counts the k = 0 (plain decoding) steps
+VERIFY_BUCKETS = [0.5, 1, 2, 3, 4, 6, 8, 12, 15, 16, 31]
 STEP_S_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5]
 
 

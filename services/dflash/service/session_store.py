@@ -188,8 +188,8 @@ class RedisSessionStore:
             return fn()
         except self._errors as exc:
             raise StoreUnavailableError(
-                f"session store (Redis at {redact_credentials(self.url)}) is unreachable: {exc}. Generation cannot be served "
-                "or resumed until it is back; retry shortly"
+                f"session store (Redis at {redact_credentials(self.url)}) is unreachable: {exc}. "
+                "Generation cannot be served or resumed until it is back; retry shortly"
             ) from None
 
     def ping(self) -> None:
@@ -268,7 +268,7 @@ class RedisSessionStore:
 
     def session_bytes(self, session_id: str) -> int:
         """Redis's own MEMORY USAGE of the session's keys (for tests and capacity planning)."""
-        return sum(self._run(lambda: self.redis.memory_usage(k, samples=0)) or 0 for k in self._keys(session_id))
+        return sum(self._run(lambda k=k: self.redis.memory_usage(k, samples=0)) or 0 for k in self._keys(session_id))
 
     @staticmethod
     def _record(session_id: str, fields: dict, out: bytes) -> SessionRecord:

@@ -23,7 +23,8 @@ class StepTelemetry:
 
     def step_scope(self):
         """The `dflash.step` span, current while the step runs (the drafter calls inside are its children)."""
-        return tracing.tracer().start_as_current_span("dflash.step", context=trace.set_span_in_context(trace.INVALID_SPAN))
+        return tracing.tracer().start_as_current_span(
+            "dflash.step", context=trace.set_span_in_context(trace.INVALID_SPAN))
 
     def on_step(self, report: StepReport) -> None:
         step = trace.get_current_span()
