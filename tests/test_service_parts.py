@@ -51,9 +51,9 @@ def test_codec_round_trips_in_chunks(dtype):
     context = torch.randn(37, 24).to(dtype)
     chunks = list(codec.draft_request_chunks("s", context, 5, 9, 8, chunk_bytes=100))
     assert len(chunks) > 1 and chunks[0].context.shape == [37, 24]
-    head, back = codec.join_draft_request(iter(chunks))
-    assert head.session_id == "s" and head.context_start == 5 and head.last_token == 9
-    assert back.dtype == dtype and torch.equal(back, context)
+    [back] = codec.join_draft_batch(iter(chunks))
+    assert back.session_id == "s" and back.context_start == 5 and back.last_token == 9 and not back.restart
+    assert back.context.dtype == dtype and torch.equal(back.context, context)
     [request] = codec.join_draft_batch(iter(list(codec.draft_request_chunks("s", context, 5, 9, 8, 100, restart=True))))
     assert request.restart and request.context_start == 5
 

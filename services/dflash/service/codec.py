@@ -108,17 +108,3 @@ def join_draft_batch(chunks: Iterable[drafter_pb2.DraftRequestChunk]) -> list[Dr
                      h.last_token, h.block_size, draft_sampling(h), h.restart)
         for h, p in zip(heads, parts)
     ]
-
-
-def join_draft_request(
-    chunks: Iterable[drafter_pb2.DraftRequestChunk],
-) -> tuple[drafter_pb2.DraftRequestChunk, torch.Tensor]:
-    """Reassemble a one-session Draft call: (the header chunk, the context tensor)."""
-    head, parts = None, []
-    for chunk in chunks:
-        if head is None:
-            head = chunk
-        parts.append(chunk.context.data)
-    if head is None:
-        raise CodecError("empty Draft stream")
-    return head, from_parts(head.context.dtype, head.context.shape, b"".join(parts))
