@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import grpc
 import pytest
 from dflash.api.v1 import generate_pb2_grpc
@@ -12,6 +15,17 @@ from dflash.service.redis_process import RedisProcess, redis_server_path
 from tiny import char_tokenizer, tiny_drafter, tiny_target
 
 BLOCK_SIZE = 8
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """An asyncio event loop running in its own thread (for aio gRPC servers in sync tests)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ paths through Ray's proxy are in test_service_ray.py).
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import grpc
 import pytest
@@ -19,7 +18,7 @@ from dflash.service.config import ServiceConfig
 from dflash.service.ingress import Ingress, Rejected
 from dflash.service.messages import MAX_MESSAGE_CHARS, StreamError
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from service_fixtures import IngressServicer
+from service_fixtures import IngressServicer, loop  # noqa: F401
 
 TOKEN = "s3cret-token"
 pytestmark = pytest.mark.timeout(120)
@@ -35,16 +34,6 @@ class Edge(IngressServicer):
                 yield reply
         except Rejected as exc:
             await context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
 
 
 def serve(loop, auth_token: str, functions=(*SERVICERS, REFLECTION), reflection: bool = True):

@@ -39,7 +39,7 @@ from dflash.service.verifier import Verifier
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
-from service_fixtures import IngressServicer, model_dirs  # noqa: F401
+from service_fixtures import IngressServicer, loop, model_dirs  # noqa: F401
 
 TOKEN = "s3cret-token"
 PROMPT = "def f(x):\n    return"
@@ -124,16 +124,6 @@ class Upstream(IngressServicer):
                     pass
         finally:
             chunks.close()
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
 
 
 def on(loop, coroutine, timeout_s: float = 30):

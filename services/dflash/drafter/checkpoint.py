@@ -43,16 +43,22 @@ def resolve_dir(path_or_id: str | Path, what: str) -> Path:
         ) from None
 
 
-def load_config(directory: Path) -> DFlashConfig:
+def read_config_json(directory: Path, what: str = "drafter directory") -> tuple[dict, Path]:
+    """A checkpoint directory's config.json as a dict, and its path; CheckpointError naming the file."""
     path = directory / "config.json"
     if not path.is_file():
-        raise CheckpointError(f"drafter directory '{directory}' has no config.json")
+        raise CheckpointError(f"{what} '{directory}' has no config.json")
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path} is not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path} must hold a JSON object")
+    return raw, path
+
+
+def load_config(directory: Path) -> DFlashConfig:
+    raw, path = read_config_json(directory)
     return DFlashConfig.from_dict(raw, source=str(path))
 
 
@@ -62,7 +68,7 @@ def load_drafter(
     """Load a drafter; every missing, unexpected or misshapen tensor is named in the error."""
     directory = resolve_dir(path_or_id, "drafter")
     config = load_config(directory)
-    state = _read_weights(directory)
+    state = read_weights(directory)
     model = DFlashDraftModel(config)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
@@ -85,7 +91,7 @@ def load_drafter(
     return model.to(device=device, dtype=dtype).eval()
 
 
-def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"drafter directory '{directory}' has no *.safetensors weights")

@@ -29,13 +29,12 @@ implementations call RoPE over different spans, so they are refused. Anything re
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from ..errors import CheckpointError
-from .checkpoint import _read_weights, load_drafter, resolve_dir, save_drafter
+from .checkpoint import load_drafter, read_config_json, read_weights, resolve_dir, save_drafter
 from .config import ARCHITECTURE, DFlashConfig
 from .model import DFlashDraftModel, qwen3_config
 
@@ -218,14 +217,8 @@ def import_transformers(source: str | Path, out: str | Path, *, num_target_layer
                         vocab_size: int | None = None) -> Path:
     """Write a transformers DFlash assistant checkpoint at `source` in the public DFlash format at `out`."""
     directory = resolve_dir(source, "transformers DFlash assistant")
-    path = directory / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"'{directory}' has no config.json")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON ({exc})") from None
+    raw, path = read_config_json(directory, "transformers DFlash assistant")
     config = dflash_config(raw, num_target_layers=num_target_layers, vocab_size=vocab_size, source=str(path))
-    state = _read_weights(directory)
+    state = read_weights(directory)
     model = _from_state(config, state, str(directory))
     return save_drafter(model, out, dtype=next(iter(state.values())).dtype)
