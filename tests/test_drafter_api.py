@@ -73,7 +73,7 @@ def status_of(address, method, messages, token=TOKEN, credentials=None):
     metadata = [("authorization", f"Bearer {token}")] if token else []
     with channel:
         try:
-            if method in ("Draft", "DraftBatch"):
+            if method == "DraftBatch":
                 channel.stream_unary(SERVICE + method)(iter(messages), timeout=30, metadata=metadata)
             else:
                 channel.unary_unary(SERVICE + method)(messages[0], timeout=30, metadata=metadata)
@@ -99,7 +99,7 @@ def test_every_method_refuses_a_caller_without_the_token(replica, token):
     server, _, _ = replica
     width = server.sessions.drafter.model.fc.in_features
     calls = {"Describe": [b""], "Release": [drafter_pb2.ReleaseRequest(session_id="s.1").SerializeToString()],
-             "Draft": [chunk(width)], "DraftBatch": [chunk(width)]}
+             "DraftBatch": [chunk(width)]}
     for method, messages in calls.items():
         code, details = status_of(server.address, method, messages, token=token)
         assert code == grpc.StatusCode.UNAUTHENTICATED and "drafter_net.token" in details, method
@@ -190,7 +190,6 @@ def malformed_streams(width):
         "a position beyond any context": ("DraftBatch", [chunk(width, context_start=(1 << 64) - 1, restart=True)]),
         "a temperature it cannot divide by": ("DraftBatch", [chunk(width, temperature=1e-40)]),
         "a session twice in one call": ("DraftBatch", [chunk(width), chunk(width)]),
-        "Draft with two sessions": ("Draft", [chunk(width), chunk(width, session_id="s.2")]),
         "Release of random bytes": ("Release", [b"\xff\xfe"]),
         "Release of a 100 KB session id": ("Release", [drafter_pb2.ReleaseRequest(session_id=big).SerializeToString()]),
         "Describe of random bytes": ("Describe", [b"\xff\xfe"]),

@@ -128,7 +128,7 @@ def test_drafter_server_counts_drafts_in_flight_and_hot_sessions(model_dirs):
         with grpc.insecure_channel(server.address) as channel:
             stub = drafter_pb2_grpc.DrafterStub(channel)
             chunks = list(codec.draft_request_chunks("s1", torch.randn(5, width), 0, 7, BLOCK_SIZE, 1 << 20))
-            call = threading.Thread(target=lambda: replies.append(stub.Draft(iter(chunks), timeout=60)))
+            call = threading.Thread(target=lambda: replies.append(stub.DraftBatch(iter(chunks), timeout=60).replies[0]))
             with sessions._lock:  # the model is busy: the call waits, in flight
                 call.start()
                 deadline = time.monotonic() + 30

@@ -109,18 +109,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.num_inflight = 0  # sessions of Draft calls being received, waiting for the model or drafting
         self._count_lock = threading.Lock()
 
-    def Draft(self, request_iterator, context):
-        replies = self._serve(request_iterator, context, one=True)
-        return replies.replies[0]
-
-    def DraftBatch(self, request_iterator, context):
-        return self._serve(request_iterator, context, one=False)
-
-    def _serve(self, request_iterator, context, one: bool) -> drafter_pb2.DraftBatchReply:
+    def DraftBatch(self, request_iterator, context) -> drafter_pb2.DraftBatchReply:
         try:  # every check of what the caller sent, before any drafting
             requests = codec.join_draft_batch(_decoded(request_iterator))
-            if one and len(requests) != 1:
-                raise MalformedDraft("Draft carries one session; use DraftBatch for more")
             self.sessions.check(requests)
         except DFlashError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, clip(str(exc)))

@@ -35,11 +35,6 @@ class DrafterStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Draft = channel.stream_unary(
-                '/dflash.internal.v1.Drafter/Draft',
-                request_serializer=dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftRequestChunk.SerializeToString,
-                response_deserializer=dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftReply.FromString,
-                _registered_method=True)
         self.DraftBatch = channel.stream_unary(
                 '/dflash.internal.v1.Drafter/DraftBatch',
                 request_serializer=dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftRequestChunk.SerializeToString,
@@ -60,17 +55,11 @@ class DrafterStub:
 class DrafterServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Draft(self, request_iterator, context):
-        """Client-streaming so that large contexts (a long prompt's features) travel in chunks: the first
-        message carries the header and the tensor's dtype and shape, every message a slice of its bytes.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def DraftBatch(self, request_iterator, context):
-        """Many sessions in one call and one drafter forward: the stream holds each session's chunks in
-        turn (a chunk with a session_id starts the next session). Replies come in the same order.
+        """Many sessions in one call and one drafter forward. Client-streaming so that large contexts (a long
+        prompt's features) travel in chunks: the stream holds each session's chunks in turn, a chunk with a
+        session_id starting the next session (its header and the tensor's dtype and shape); every chunk
+        carries a slice of the tensor's bytes. Replies come in the same order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -91,11 +80,6 @@ class DrafterServicer:
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Draft': grpc.stream_unary_rpc_method_handler(
-                    servicer.Draft,
-                    request_deserializer=dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftRequestChunk.FromString,
-                    response_serializer=dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftReply.SerializeToString,
-            ),
             'DraftBatch': grpc.stream_unary_rpc_method_handler(
                     servicer.DraftBatch,
                     request_deserializer=dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftRequestChunk.FromString,
@@ -121,33 +105,6 @@ def add_DrafterServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Drafter:
     """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Draft(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/dflash.internal.v1.Drafter/Draft',
-            dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftRequestChunk.SerializeToString,
-            dflash_dot_api_dot_internal_dot_v1_dot_drafter__pb2.DraftReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def DraftBatch(request_iterator,
