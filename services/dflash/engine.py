@@ -35,19 +35,10 @@ from .sampling import sample_tokens
 from .scheduler import Scheduler, SchedulerConfig, StepPlan
 from .stats import GenerationStats, RoundStats
 from .target import ForwardItem, TargetModel
-from .verify_policy import (
-    CostCurve,
-    DraftCost,
-    StepCalibration,
-    acceptance_rate,
-    choose_drafted,
-    choose_verify_lengths,
-    measure_target_cost,
-)
+from .verify_policy import AdaptivePolicy, CostCurve, acceptance_rate, measure_target_cost
 
 log = logging.getLogger(__name__)
 ACCEPT_DECAY = 0.8  # per round: a session's acceptance estimate follows the last ~5 rounds
-EXPLORE_EVERY = 8  # steps without any draft before one session drafts again (cost and acceptance move)
 
 
 @dataclass(frozen=True)
@@ -117,12 +108,9 @@ class SpeculativeEngine:
         self._admission = threading.Lock()
         self._work = threading.Event()  # set when a request arrives or is cancelled (the loop waits on it)
         self._loop: threading.Thread | None = None
-        self.cost_curve = cost_curve
-        self.draft_cost = DraftCost()
-        self.calibration = StepCalibration()
-        self._steps_without_draft = 0
-        if self.cost_curve is None and drafter is not None and config.verify_policy == "adaptive":
-            self.cost_curve = measure_target_cost(target, config.max_step_tokens)
+        self.policy: AdaptivePolicy | None = None  # None: every proposal is verified
+        if config.verify_policy == "adaptive" and (cost_curve is not None or drafter is not None):
+            self.policy = AdaptivePolicy(cost_curve or measure_target_cost(target, config.max_step_tokens))
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -180,7 +168,8 @@ class SpeculativeEngine:
         while True:
             self._work.clear()
             if not (self.scheduler.running or self.scheduler.waiting):
-                self.calibration.idle()
+                if self.policy is not None:
+                    self.policy.idle()
                 self._work.wait()
                 continue
             try:
@@ -282,17 +271,16 @@ class SpeculativeEngine:
 
     def _run(self, plan: StepPlan) -> None:
         start_ns, t0 = time.time_ns(), time.perf_counter()
-        self.calibration.step_started(t0)
         prefill_tokens = sum(n for _, n in plan.prefills)
         base_tokens = len(plan.decodes) + prefill_tokens
         num_sessions = len(plan.decodes) + len(plan.prefills)
-        overhead_ms = self.calibration.round_overhead_ms * num_sessions
+        overhead_ms = self.policy.overhead_ms(t0, num_sessions) if self.policy is not None else 0.0
         sizes = self._drafted_sizes(plan.decodes, base_tokens, overhead_ms)
         drafts = self._propose(plan.decodes, sizes)
         t1 = time.perf_counter()
         asked = sum(s > 1 for s in sizes)
-        if asked:
-            self.draft_cost.observe(asked, (t1 - t0) * 1000)
+        if asked and self.policy is not None:
+            self.policy.drafter_ran(asked, (t1 - t0) * 1000)
         lengths = self._verify_lengths(drafts, base_tokens, overhead_ms + (t1 - t0) * 1000)
         verified = [d.tokens[:k] for d, k in zip(drafts, lengths)]
         items = [ForwardItem(g.request_id, (g.last_token, *v.tolist()), g.position)
@@ -302,8 +290,8 @@ class SpeculativeEngine:
         outs = self.target.forward(self.cache, items)
         draft_ms, verify_ms = (t1 - t0) * 1000, self._ms_since(t1)
         num_tokens = sum(len(i.token_ids) for i in items)
-        predicted_ms = self.cost_curve(num_tokens) if self.cost_curve is not None else 0.0
-        self.calibration.step_ran(t0, draft_ms, predicted_ms, num_sessions)
+        if self.policy is not None:
+            self.policy.step_ran(t0, draft_ms, num_tokens, num_sessions)
         report = StepReport(start_ns, 0, draft_ms, verify_ms, num_tokens,
                             verify_lengths=lengths, prefill_tokens=prefill_tokens)
         for gen, draft, tokens, out in zip(plan.decodes, drafts, verified, outs):
@@ -371,27 +359,19 @@ class SpeculativeEngine:
         """Each session's block this round; 1 (no draft) where the adaptive policy finds that drafting
         it does not pay for the drafter's and the verifier's time at this batch."""
         sizes = [self._round_block_size(g) for g in decodes]
-        if self.config.verify_policy == "full" or self.cost_curve is None:
+        if self.policy is None:
             return sizes
         rates = [acceptance_rate(g.accepted_ema, g.rejected_ema) for g in decodes]
-        drafted = choose_drafted(rates, [s - 1 for s in sizes], base_tokens, self.cost_curve, self.draft_cost,
-                                 overhead_ms)
-        self._steps_without_draft = 0 if any(drafted) else self._steps_without_draft + 1
-        if self._steps_without_draft >= EXPLORE_EVERY:
-            # Nobody drafts: now and then the session that waited longest drafts once, so its acceptance
-            # estimate and the drafter's cost stay current (a small, bounded price).
-            self._steps_without_draft = 0
-            waited = [i for i, size in enumerate(sizes) if size > 1]
-            if waited:
-                drafted[max(waited, key=lambda i: decodes[i].steps_since_draft)] = True
+        drafted = self.policy.drafted(rates, [s - 1 for s in sizes], [g.steps_since_draft for g in decodes],
+                                      base_tokens, overhead_ms)
         for g, d in zip(decodes, drafted):
             g.steps_since_draft = 0 if d else g.steps_since_draft + 1
         return [s if d else 1 for s, d in zip(sizes, drafted)]
 
     def _verify_lengths(self, drafts: list[Draft], base_tokens: int, fixed_ms: float) -> list[int]:
-        if self.config.verify_policy == "full" or self.cost_curve is None:
+        if self.policy is None:
             return [d.tokens.shape[0] for d in drafts]
-        return choose_verify_lengths([d.probs for d in drafts], base_tokens, self.cost_curve, fixed_ms)
+        return self.policy.verify_lengths([d.probs for d in drafts], base_tokens, fixed_ms)
 
     def _verify_round(self, gen: Generation, draft: torch.Tensor, out, draft_ms: float, verify_ms: float,
                       drafter: str) -> RoundOutput:

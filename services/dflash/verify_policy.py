@@ -216,3 +216,50 @@ def _median(values: deque[float], default: float) -> float:
         return default
     ordered = sorted(values)
     return ordered[len(ordered) // 2]
+
+
+EXPLORE_EVERY = 8  # steps without any draft before one session drafts again (cost and acceptance move)
+
+
+class AdaptivePolicy:
+    """One engine's `verify_policy: adaptive`, step by step: which sessions draft and how many of their
+    proposals are verified, from the start-up cost curve, the drafter's cost learned from its calls and
+    the per-round overhead learned from the steps (`StepCalibration`). The engine tells it what each step
+    did; the decisions are the pure functions above."""
+
+    def __init__(self, cost_curve: CostCurve):
+        self.cost_curve = cost_curve
+        self.draft_cost = DraftCost()
+        self.calibration = StepCalibration()
+        self._steps_without_draft = 0
+
+    def overhead_ms(self, now: float, num_sessions: int) -> float:
+        """At a step's start: the time this step will cost beyond drafting and the forward."""
+        self.calibration.step_started(now)
+        return self.calibration.round_overhead_ms * num_sessions
+
+    def drafted(self, rates: Sequence[float], max_drafts: Sequence[int], waited: Sequence[int], base_tokens: int,
+                overhead_ms: float) -> list[bool]:
+        """`choose_drafted`, and when nobody has drafted for EXPLORE_EVERY steps, the session that waited
+        longest (`waited`: steps since each last drafted) drafts once, so its acceptance estimate and the
+        drafter's cost stay current (a small, bounded price)."""
+        drafted = choose_drafted(rates, max_drafts, base_tokens, self.cost_curve, self.draft_cost, overhead_ms)
+        self._steps_without_draft = 0 if any(drafted) else self._steps_without_draft + 1
+        if self._steps_without_draft >= EXPLORE_EVERY:
+            self._steps_without_draft = 0
+            candidates = [i for i, m in enumerate(max_drafts) if m > 0]
+            if candidates:
+                drafted[max(candidates, key=lambda i: waited[i])] = True
+        return drafted
+
+    def drafter_ran(self, sessions: int, ms: float) -> None:
+        self.draft_cost.observe(sessions, ms)
+
+    def verify_lengths(self, probs: Sequence[torch.Tensor], base_tokens: int, fixed_ms: float) -> list[int]:
+        return choose_verify_lengths(probs, base_tokens, self.cost_curve, fixed_ms)
+
+    def step_ran(self, start: float, draft_ms: float, num_tokens: int, num_sessions: int) -> None:
+        self.calibration.step_ran(start, draft_ms, self.cost_curve(num_tokens), num_sessions)
+
+    def idle(self) -> None:
+        self.calibration.idle()
