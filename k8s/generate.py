@@ -1,4 +1,4 @@
-"""Regenerate k8s/ from the Helm chart: `python k8s/generate.py` (needs the dev extra's helm-python-sdk).
+"""Regenerate k8s/ from the Helm chart: `python k8s/generate.py` (needs the dev extra's helm-python-sdk and jsonpatch).
 
 k8s/base is the chart rendered with its defaults plus k8s/helm-values.yaml (the Redis password from
 a Secret you create, no Helm-only objects); each overlay is a set of JSON patches, plus the objects only
@@ -9,9 +9,11 @@ change without a regeneration fails.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
+import jsonpatch
 import yaml
 
 K8S = Path(__file__).resolve().parent
@@ -52,23 +54,6 @@ def strip_helm_labels(node):
     if isinstance(node, list):
         return [strip_helm_labels(v) for v in node]
     return node
-
-
-def json_patch(old, new, path: str = "") -> list[dict]:
-    """RFC 6902 operations turning old into new; lists of different length are replaced whole."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        ops = [{"op": "remove", "path": f"{path}/{escape(k)}"} for k in old if k not in new]
-        for key, value in new.items():
-            ops += (json_patch(old[key], value, f"{path}/{escape(key)}") if key in old
-                    else [{"op": "add", "path": f"{path}/{escape(key)}", "value": value}])
-        return ops
-    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
-        return [op for i, (a, b) in enumerate(zip(old, new)) for op in json_patch(a, b, f"{path}/{i}")]
-    return [] if old == new else [{"op": "replace", "path": path, "value": new}]
-
-
-def escape(key: str) -> str:
-    return key.replace("~", "~0").replace("/", "~1")
 
 
 def write(path: Path, text: str) -> None:
@@ -114,7 +99,7 @@ def main() -> int:
             resources.append(name)
         patches = []
         for obj in base:
-            ops = json_patch(obj, variant[(obj["kind"], obj["metadata"]["name"])])
+            ops = jsonpatch.make_patch(obj, variant[(obj["kind"], obj["metadata"]["name"])]).patch
             if ops:
                 name = f"patch-{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"
                 write(K8S / "overlays" / overlay / name, HEADER + dump(ops))
@@ -129,4 +114,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # jsonpatch walks dict keys as sets, so its operations come out in hash order; a fixed seed makes a rerun
+    # write the same files (upstream: stefankoegl/python-json-patch#151).
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], {**os.environ, "PYTHONHASHSEED": "0"})
     sys.exit(main())

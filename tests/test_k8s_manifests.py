@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 pytest.importorskip("helm_python", reason="helm-python-sdk (dev extra) renders the chart")
+pytest.importorskip("jsonpatch", reason="k8s/generate.py (loaded below) writes patches with jsonpatch (dev extra)")
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
