@@ -14,16 +14,16 @@ from dflash.service.config import ConfigError, ServiceConfig
 from dflash.service.drafter_server import DrafterServer
 from dflash.service.parts import build_draft_sessions
 from dflash.service.session_store import MemorySessionStore
-from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
+from ray_internals import controller_policy, deployment_id, replica_id
 from service_fixtures import BLOCK_SIZE, model_dirs  # noqa: F401
 
-DRAFTER = DeploymentID(name="drafter", app_name="dflash")
+DRAFTER = deployment_id("drafter", app_name="dflash")
 
 
 def context(inflight, *, target=2, lo=1, hi=8, policy_kwargs=None, **config):
     """A Serve AutoscalingContext whose replicas report `inflight` drafts each (None: nothing reported yet)."""
-    replicas = [ReplicaID(f"r{i}", DRAFTER) for i in range(target if inflight is None else len(inflight))]
+    replicas = [replica_id(f"r{i}", DRAFTER) for i in range(target if inflight is None else len(inflight))]
     metrics = {} if inflight is None else {INFLIGHT_DRAFTS: dict(zip(replicas, inflight)),
                                            HOT_SESSIONS: {r: 3.0 for r in replicas}}
     return AutoscalingContext(
@@ -60,14 +60,12 @@ def test_policy_rejects_a_bad_target():
 
 
 def test_serve_applies_its_delays_and_bounds_to_the_policy():
-    """The controller's own path (private in Ray 2.60): the config's policy built with its kwargs,
-    wrapped with Serve's scaling factors and upscale/downscale delays."""
-    from ray.serve._private.autoscaling_state import _resolve_policy_callable
-    from ray.serve.autoscaling_policy import _apply_autoscaling_config
+    """The controller's own path (private in Ray 2.60, ray_internals.controller_policy): the config's policy
+    built with its kwargs, wrapped with Serve's scaling factors and upscale/downscale delays."""
 
     def decide(inflight, **config):
         ctx = context(inflight, policy_kwargs={"target_inflight_drafts": 4}, **config)
-        return _apply_autoscaling_config(_resolve_policy_callable(ctx.config.policy))(ctx)[0]
+        return controller_policy(ctx.config.policy)(ctx)[0]
 
     assert decide([20.0, 20.0], upscale_delay_s=0) == 8  # 40 drafts / 4 per replica, capped at max 8
     assert decide([10.0, 10.0], upscale_delay_s=0, upscaling_factor=0.5) == 4  # halfway from 2 to 5 (rounded up)

@@ -4,7 +4,8 @@ helm-python-sdk renders the real chart through Helm's own Go SDK (bundled as a s
 the default values and every ci/*-values.yaml. Each rendered object is validated: standard kinds with
 kubernetes-validate (strict), the RayService against KubeRay's CRD schema (../shared/schemas), and
 its serveConfigV2 against Ray Serve's schema and the service's own config code, which builds the
-application's deployment graph without loading any model.
+application's deployment graph without loading any model (through Serve's own private build and
+override code: tests/ray_internals.py says why each is private).
 
 What KubeRay does with the rendered RayService is read from its controller code (ray-project/kuberay,
 ray-operator/controllers/ray, release 1.6, the oldest the chart supports): `kuberay_problems` restates
@@ -16,12 +17,14 @@ from __future__ import annotations
 import functools
 import json
 import os
+import pkgutil
 import re
 import shutil
 from pathlib import Path
 
 import pytest
 import yaml
+from ray_internals import app_code_version, autoscaler_token_paths, build_application, deployed
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (dev extra) renders the chart")
 
@@ -253,33 +256,6 @@ def test_serve_config_passes_ray_serve_schema(variant):
 
 # --- the service understands the rendered serveConfigV2 ----------------------------------------------
 
-def build_graph(app: dict):
-    """Import the application builder and build its deployment graph; no Ray cluster, no model."""
-    from ray._common.utils import import_attr
-    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
-    from ray.serve._private.build_app import build_app
-
-    builder = import_attr(app["import_path"])
-    return build_app(call_user_app_builder_with_args_if_necessary(builder, app["args"]), name=app["name"])
-
-
-def deployed(app: dict) -> dict:
-    """Deployment name -> DeploymentInfo as Serve's controller deploys it: the graph `args` builds, then
-    the config's `deployments:` overrides applied by Serve's own override_deployment_info."""
-    from ray.serve._private.application_state import override_deployment_info
-    from ray.serve._private.config import ReplicaConfig
-    from ray.serve._private.deployment_info import DeploymentInfo
-    from ray.serve.schema import ServeApplicationSchema
-
-    infos = {}
-    for dep in build_graph(app).deployments:
-        # The controller receives replica configs serialized; here the bound handles in their init args
-        # would need a running Serve to copy, and overrides never touch them, so keep the actor options only.
-        replica = ReplicaConfig.create(dep.func_or_class, ray_actor_options=dep.ray_actor_options)
-        infos[dep.name] = DeploymentInfo(dep._deployment_config, replica, start_time_ms=0, deployer_job_id="")
-    return override_deployment_info(infos, ServeApplicationSchema.model_validate(app))
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_service_config_builds_the_deployment_graph(variant):
     from dflash.service.config import ServiceConfig
@@ -287,7 +263,7 @@ def test_service_config_builds_the_deployment_graph(variant):
     config = serve_config(variant)
     (app,) = config["applications"]
     service = ServiceConfig.from_dict(app["args"])
-    built = build_graph(app)
+    built = build_application(app)
     expected = {"ingress", "verifier"} | ({"drafter"} if service.mode == "disaggregated" else set())
     assert {d.name for d in built.deployments} == expected
     assert built.ingress_deployment_name == "ingress"
@@ -349,15 +325,9 @@ def test_serve_options_are_overrides_that_keep_the_code_version():
     hashes the import path, `args` and the autoscaling policies (deploy_utils.get_app_code_version), not
     the deployments' other options. Replicas, limits and actor options therefore travel as `deployments:`
     overrides: tuning them restarts no verifier (only changed actor options restart that deployment)."""
-    from ray.serve._private.deploy_utils import get_app_code_version
-    from ray.serve.schema import ServeApplicationSchema
-
-    def version(app: dict) -> str:
-        return get_app_code_version(ServeApplicationSchema.model_validate(app))
-
     before, after = app_config({}), app_config(SERVE_TWEAKS)
     assert after["args"] == before["args"] and after["deployments"] != before["deployments"]
-    assert version(after) == version(before)
+    assert app_code_version(after) == app_code_version(before)
     effective = deployed(after)
     verifier = effective["verifier"]
     assert (verifier.deployment_config.autoscaling_config.min_replicas,
@@ -367,9 +337,10 @@ def test_serve_options_are_overrides_that_keep_the_code_version():
     assert effective["ingress"].deployment_config.max_ongoing_requests == 32
     assert effective["drafter"].deployment_config.autoscaling_config.upscale_delay_s == 10
     # The application's own settings are its code: changing them restarts it, as it must.
-    assert version(app_config({"limits": {"maxNewTokens": 512}})) != version(before)
+    assert app_code_version(app_config({"limits": {"maxNewTokens": 512}})) != app_code_version(before)
     # So is a policy's argument (Serve hashes the policy): documented in values.yaml and docs/kubernetes.md.
-    assert version(app_config({"drafter": {"autoscaling": {"targetInflightDrafts": 3}}})) != version(before)
+    policy_arg = app_config({"drafter": {"autoscaling": {"targetInflightDrafts": 3}}})
+    assert app_code_version(policy_arg) != app_code_version(before)
 
 
 def test_args_stay_the_applications_own_configuration():
@@ -409,7 +380,7 @@ def test_a_value_the_service_does_not_understand_fails():
                 {**app["args"], "redis": {**app["args"]["redis"], "ttl": 5}},
                 {**app["args"], "limits": {**app["args"]["limits"], "max_new_tokens": "many"}}):
         with pytest.raises(ConfigError):
-            build_graph({**app, "args": bad})
+            build_application({**app, "args": bad})
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -419,7 +390,6 @@ def test_grpc_servicers_are_the_services(variant):
     Ray's own reflection, which answers anyone, off."""
     from dflash.service.app import grpc_options
     from dflash.service.config import ServiceConfig
-    from ray._common.utils import import_attr
 
     config = serve_config(variant)
     (app,) = config["applications"]
@@ -433,7 +403,7 @@ def test_grpc_servicers_are_the_services(variant):
     reflection = [f for f in rendered["grpc_servicer_functions"] if "Reflection" in f]
     assert bool(reflection) is value(variant, "grpc.reflection")
     for function in rendered["grpc_servicer_functions"]:
-        assert function.startswith("dflash.service.servicers.") and callable(import_attr(function))
+        assert function.startswith("dflash.service.servicers.") and callable(pkgutil.resolve_name(function))
 
 
 def test_reflection_off_leaves_it_out():
@@ -515,8 +485,7 @@ def test_only_the_autoscaler_gets_an_api_token(variant):
     at the in-cluster paths (kuberay/node_provider.py, reread every minute). The chart gives the head an
     account of its own and projects that account's token into the autoscaler container only: no Ray
     process, and no worker, holds a token."""
-    from ray.autoscaler._private.kuberay import node_provider
-
+    token_path, ca_path = autoscaler_token_paths()
     objs = variant_objects(variant)
     cluster = one(objs, "RayService")["spec"]["rayClusterConfig"]
     head = cluster["headGroupSpec"]["template"]["spec"]
@@ -528,15 +497,15 @@ def test_only_the_autoscaler_gets_an_api_token(variant):
             assert template["spec"]["automountServiceAccountToken"] is False
             if template["spec"] is not head:
                 assert template["spec"]["serviceAccountName"] != head["serviceAccountName"]
-    token_dir = os.path.dirname(node_provider.IN_CLUSTER_TOKEN_PATH)
-    assert os.path.dirname(node_provider.IN_CLUSTER_CA_CERT_PATH) == token_dir
+    token_dir = os.path.dirname(token_path)
+    assert os.path.dirname(ca_path) == token_dir
     (mount,) = [m for m in cluster["autoscalerOptions"]["volumeMounts"] if m["mountPath"] == token_dir]
     assert mount["readOnly"] is True
     sources = {v["name"]: v for v in head["volumes"]}[mount["name"]]["projected"]["sources"]
     files = {s["serviceAccountToken"]["path"] for s in sources if "serviceAccountToken" in s}
     files |= {i["path"] for s in sources for kind in ("configMap", "downwardAPI")
               for i in s.get(kind, {}).get("items", [])}
-    wanted = {node_provider.IN_CLUSTER_TOKEN_PATH, node_provider.IN_CLUSTER_CA_CERT_PATH}
+    wanted = {token_path, ca_path}
     assert {os.path.basename(path) for path in wanted} <= files
     for obj in objs:
         for spec in pod_specs(obj):

@@ -411,16 +411,14 @@ def check_one_trace_across_processes(session: str, killed_drafter: str) -> None:
 
 def assert_drafters_report_their_load(app_name: str, timeout_s: float = 60) -> None:
     """Serve's controller holds the metrics drafter replicas return from record_autoscaling_stats
-    (read through the controller's testing hook: Serve has no public view of custom metrics)."""
+    (read through the controller's testing hook, ray_internals.controller_metrics: Serve has no public
+    view of custom metrics)."""
     from dflash.service.autoscaling import HOT_SESSIONS, INFLIGHT_DRAFTS
-    from ray.serve._private.common import DeploymentID
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+    from ray_internals import controller_metrics
 
-    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    drafter = DeploymentID(name="drafter", app_name=app_name)
     deadline = time.monotonic() + timeout_s
     while True:  # replicas push their metrics every 10 s
-        metrics = ray.get(controller._get_metrics_for_deployment_for_testing.remote(drafter))
+        metrics = controller_metrics(app_name, "drafter")
         if {INFLIGHT_DRAFTS, HOT_SESSIONS} <= set(metrics) or time.monotonic() > deadline:
             break
         time.sleep(1.0)
