@@ -12,18 +12,28 @@ behind the shared drafter_net token, and advertise them in Redis.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 from ray import serve
 from ray.exceptions import RayActorError
+from ray.serve import Application
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from ..api.v1 import generate_pb2
 from .config import ConfigError, ServiceConfig
 from .ingress import Ingress, Rejected, check_decoded
-from .messages import StreamError
+from .messages import MalformedMessage, StreamError, VerifyRequest
 from .metrics import ServiceMetrics
-from .session_store import open_store
+from .session_store import SessionStore, open_store
+
+if TYPE_CHECKING:
+    from grpc_health.v1 import health_pb2
+    from grpc_reflection.v1alpha import reflection_pb2
+    from ray.serve.config import gRPCOptions
+    from ray.serve.grpc_util import RayServegRPCContext
 
 SERVICERS = (
     "dflash.service.servicers.add_GenerationServicer_to_server",
@@ -32,13 +42,13 @@ SERVICERS = (
 REFLECTION = "dflash.service.servicers.add_ServerReflectionServicer_to_server"
 
 
-def _store(config: ServiceConfig):
+def _store(config: ServiceConfig) -> SessionStore:
     if not config.redis.url:
         raise ConfigError("redis.url: must be set for the Serve application (`dflash serve` sets it)")
     return open_store(config.redis.url, config.redis.ttl_s, config.redis.key_prefix, config.redis.socket_timeout_s)
 
 
-def _setup(config: ServiceConfig, service: str):
+def _setup(config: ServiceConfig, service: str) -> ServiceMetrics:
     from . import tracing
 
     tracing.setup_tracing(service, trace_dir=config.trace_dir)
@@ -49,13 +59,14 @@ def _setup(config: ServiceConfig, service: str):
 class IngressDeployment:
     """dflash.v1.Generation and grpc.health.v1.Health on Ray Serve's gRPC proxy. No torch here."""
 
-    def __init__(self, verifier: DeploymentHandle, config: dict):
+    def __init__(self, verifier: DeploymentHandle, config: dict) -> None:
         self.config = ServiceConfig.for_replica(config)
         self.ingress = Ingress(self.config, _setup(self.config, "dflash-ingress"))
         self.verifier = verifier
         self.store = _store(self.config)
 
-    async def Generate(self, request, grpc_context):
+    async def Generate(self, request: generate_pb2.GenerateRequest | MalformedMessage,
+                       grpc_context: RayServegRPCContext) -> AsyncIterator[generate_pb2.GenerateChunk]:
         try:
             async for chunk in self.ingress.generate(request, _metadata(grpc_context), self._open_stream):
                 yield chunk
@@ -63,7 +74,10 @@ class IngressDeployment:
             _set_status(grpc_context, exc)
             raise
 
-    async def ServerReflectionInfo(self, request_stream, grpc_context):
+    async def ServerReflectionInfo(
+        self, request_stream: AsyncIterator[reflection_pb2.ServerReflectionRequest | MalformedMessage],
+        grpc_context: RayServegRPCContext,
+    ) -> AsyncIterator[reflection_pb2.ServerReflectionResponse]:
         try:
             async for reply in self.ingress.reflect(request_stream, _metadata(grpc_context)):
                 yield reply
@@ -71,7 +85,8 @@ class IngressDeployment:
             _set_status(grpc_context, exc)
             raise
 
-    async def _open_stream(self, verify, carrier):
+    async def _open_stream(self, verify: VerifyRequest,
+                           carrier: dict[str, str]) -> AsyncIterator[generate_pb2.GenerateChunk | StreamError]:
         try:
             async for item in self.verifier.options(stream=True).stream.remote(verify, carrier):
                 yield item
@@ -81,7 +96,8 @@ class IngressDeployment:
             yield StreamError("UNAVAILABLE", "verifier: the replica serving this request was lost; reconnect with "
                               "session_id and tokens_received to get the rest")
 
-    async def Check(self, request, grpc_context):
+    async def Check(self, request: health_pb2.HealthCheckRequest | MalformedMessage,
+                    grpc_context: RayServegRPCContext) -> health_pb2.HealthCheckResponse:
         from grpc_health.v1 import health_pb2
 
         try:
@@ -96,7 +112,8 @@ class IngressDeployment:
             status = health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)
 
-    async def Watch(self, request, grpc_context):
+    async def Watch(self, request: health_pb2.HealthCheckRequest | MalformedMessage,
+                    grpc_context: RayServegRPCContext) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         yield await self.Check(request, grpc_context)
 
 
@@ -104,7 +121,7 @@ class IngressDeployment:
 class VerifierDeployment:
     """Owns the target and its batching engine: every Generate stream joins the same step loop."""
 
-    def __init__(self, config: dict, drafters: DeploymentHandle | None = None):
+    def __init__(self, config: dict, drafters: DeploymentHandle | None = None) -> None:
         from .parts import build_verifier_engine, set_threads
         from .verifier import Verifier
 
@@ -117,7 +134,8 @@ class VerifierDeployment:
         self.verifier = Verifier(engine, store, cfg.model_name, metrics)
         self.drafters = drafters  # holds the drafter deployment in the application graph
 
-    async def stream(self, verify, carrier):
+    async def stream(self, verify: VerifyRequest,
+                     carrier: dict[str, str]) -> AsyncIterator[generate_pb2.GenerateChunk | StreamError]:
         from .async_stream import iterate_in_thread
 
         async for item in iterate_in_thread(lambda cancelled: self.verifier.stream(verify, carrier, cancelled)):
@@ -128,7 +146,7 @@ class VerifierDeployment:
 class DrafterDeployment:
     """Owns a DFlash drafter (+ the target's embedding and LM head); serves the internal Drafter API."""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict) -> None:
         from . import drafter_auth
         from .drafter_server import DrafterServer
         from .parts import build_draft_sessions, set_threads
@@ -150,13 +168,13 @@ class DrafterDeployment:
         Draft calls in flight (what the drafter policy in autoscaling.py scales on) and the hot sessions."""
         return self.server.load()
 
-    def __del__(self):
+    def __del__(self) -> None:
         server = getattr(self, "server", None)
         if server is not None:
             server.stop()
 
 
-def build(args: dict | None = None):
+def build(args: dict | None = None) -> Application:
     """The application for a ServiceConfig tree (Serve's builder: `import_path: dflash.service.app:build`)."""
     config = ServiceConfig.for_replica(args or {})
     if config.mode == "disaggregated" and config.redis.url.startswith("memory://"):
@@ -171,7 +189,7 @@ def build(args: dict | None = None):
     return IngressDeployment.options(**config.serve_options("ingress")).bind(verifier, tree)
 
 
-def grpc_options(config: ServiceConfig):
+def grpc_options(config: ServiceConfig) -> gRPCOptions:
     """Serve's gRPC proxy options: the proxy's own reflection stays off (it would answer anyone); the
     ingress answers reflection instead, when config.reflection is on."""
     from ray.serve.config import gRPCOptions
@@ -180,10 +198,10 @@ def grpc_options(config: ServiceConfig):
     return gRPCOptions(port=config.grpc_port, grpc_servicer_functions=functions, enable_reflection=False)
 
 
-def _metadata(grpc_context) -> dict[str, str]:
+def _metadata(grpc_context: RayServegRPCContext) -> dict[str, str]:
     return {k: v for k, v in grpc_context.invocation_metadata() if isinstance(v, str)}
 
 
-def _set_status(grpc_context, exc: Rejected) -> None:
+def _set_status(grpc_context: RayServegRPCContext, exc: Rejected) -> None:
     grpc_context.set_code(getattr(grpc.StatusCode, exc.code))
     grpc_context.set_details(exc.message)

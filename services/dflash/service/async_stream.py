@@ -19,13 +19,13 @@ async def iterate_in_thread(make: Callable[[threading.Event], Iterator]) -> Asyn
     queue: asyncio.Queue = asyncio.Queue()
     cancelled = threading.Event()
 
-    def send(item, exc=None):
+    def send(item: object, exc: BaseException | None = None) -> None:
         try:
             loop.call_soon_threadsafe(queue.put_nowait, (item, exc))
         except RuntimeError:  # the event loop is gone: nobody is listening any more
             cancelled.set()
 
-    def produce():
+    def produce() -> None:
         items = make(cancelled)
         try:
             for item in items:

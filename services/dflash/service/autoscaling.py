@@ -30,7 +30,7 @@ POLICY_FUNCTION = "dflash.service.autoscaling:DraftLoadPolicy"
 class DraftLoadPolicy:
     """A Serve autoscaling policy; Serve builds it once with `policy_kwargs` and calls it every tick."""
 
-    def __init__(self, target_inflight_drafts: float = 2.0):
+    def __init__(self, target_inflight_drafts: float = 2.0) -> None:
         number = isinstance(target_inflight_drafts, (int, float)) and not isinstance(target_inflight_drafts, bool)
         if not (number and target_inflight_drafts > 0):
             raise ValueError(f"target_inflight_drafts: must be a number > 0, got {target_inflight_drafts!r}")

@@ -14,7 +14,7 @@ class GenerationClient:
 
     def __init__(self, target: str = "127.0.0.1:9000", token: str = "", root_certificates: bytes | None = None,
                  timeout_s: float | None = None, *, tls: bool = False, server_name: str = "",
-                 client_certificate: tuple[bytes, bytes] | None = None):
+                 client_certificate: tuple[bytes, bytes] | None = None) -> None:
         """TLS when `tls`, root_certificates (PEM CAs to trust; None: gRPC's bundled roots) or
         client_certificate ((PEM key, PEM chain), for mutual TLS) is given; server_name checks the
         server's certificate against that name instead of the target's host."""
@@ -30,7 +30,7 @@ class GenerationClient:
         self.timeout_s = timeout_s
 
     def generate(self, request: generate_pb2.GenerateRequest | None = None,
-                 **fields) -> Iterator[generate_pb2.GenerateChunk]:
+                 **fields: object) -> Iterator[generate_pb2.GenerateChunk]:
         request = request or generate_pb2.GenerateRequest(**fields)
         return self.stub.Generate(request, metadata=self.metadata, timeout=self.timeout_s)
 
@@ -43,5 +43,5 @@ class GenerationClient:
     def __enter__(self) -> GenerationClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 
@@ -26,16 +28,19 @@ class TokenCheck(grpc.ServerInterceptor):
     """Refuses every call that does not carry the shared token (UNAUTHENTICATED), before its request is
     read or decoded."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
 
-    def intercept_service(self, continuation, handler_call_details):
+    def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
         handler = continuation(handler_call_details)
         sent = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
         if handler is None or hmac.compare_digest(str(sent).encode(), self._expected):
             return handler
 
-        def deny(_request, context):
+        def deny(_request: object, context: grpc.ServicerContext) -> NoReturn:
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           "authorization: the internal Drafter API needs the shared token (drafter_net.token)")
 

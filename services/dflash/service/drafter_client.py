@@ -40,7 +40,7 @@ class ContextWindow:
     of each call kept as they came (no copy per round), the oldest dropped while the rest still covers
     `limit` positions (0: keep all)."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int) -> None:
         self.limit = limit
         self.start = 0
         self._slices: list[torch.Tensor] = []
@@ -68,7 +68,7 @@ class RemoteDrafter:
     """Implements the `Drafter` protocol (see drafter/protocol.py) over the internal gRPC API."""
 
     def __init__(self, store: SessionStore, block_size: int, mask_token_id: int, target_layer_ids: tuple[int, ...],
-                 net: DrafterNetConfig = DrafterNetConfig(), metrics: ServiceMetrics | None = None):
+                 net: DrafterNetConfig = DrafterNetConfig(), metrics: ServiceMetrics | None = None) -> None:
         self.store = store
         self.block_size = block_size
         self.mask_token_id = mask_token_id
@@ -174,7 +174,7 @@ class RemoteDrafter:
         window = self._windows[request.session_id]
         return replace(request, context=window.tensor(), context_start=window.start, restart=True)
 
-    def _call_batch(self, address: str, requests: list[DraftRequest]):
+    def _call_batch(self, address: str, requests: list[DraftRequest]) -> grpc.Future:
         """A DraftBatch call in flight (a grpc future)."""
         chunks = codec.draft_batch_chunks(requests, self.net.chunk_bytes)
         metadata = tracing.outgoing_metadata() + list(drafter_auth.call_metadata(self.net))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from concurrent import futures
 
 import grpc
@@ -43,7 +44,7 @@ class MalformedDraft(DFlashError):
 class DraftSessions:
     """The replica's drafting state: a LocalDrafter plus least-recently-used eviction."""
 
-    def __init__(self, drafter: LocalDrafter, max_sessions: int = 256):
+    def __init__(self, drafter: LocalDrafter, max_sessions: int = 256) -> None:
         self.drafter = drafter
         self.max_sessions = max_sessions
         self._recent: OrderedDict[str, None] = OrderedDict()
@@ -103,13 +104,14 @@ class DraftSessions:
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     """The internal Drafter gRPC service of one replica."""
 
-    def __init__(self, sessions: DraftSessions, replica: str):
+    def __init__(self, sessions: DraftSessions, replica: str) -> None:
         self.sessions = sessions
         self.replica = replica
         self.num_inflight = 0  # sessions of Draft calls being received, waiting for the model or drafting
         self._count_lock = threading.Lock()
 
-    def DraftBatch(self, request_iterator, context) -> drafter_pb2.DraftBatchReply:
+    def DraftBatch(self, request_iterator: Iterator[drafter_pb2.DraftRequestChunk | MalformedMessage],
+                   context: grpc.ServicerContext) -> drafter_pb2.DraftBatchReply:
         try:  # every check of what the caller sent, before any drafting
             requests = codec.join_draft_batch(_decoded(request_iterator))
             self.sessions.check(requests)
@@ -123,7 +125,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             with self._count_lock:
                 self.num_inflight -= len(requests)
 
-    def _draft(self, requests: list[DraftRequest], context) -> drafter_pb2.DraftBatchReply:
+    def _draft(self, requests: list[DraftRequest], context: grpc.ServicerContext) -> drafter_pb2.DraftBatchReply:
         parent = tracing.context_from(context.invocation_metadata())
         with tracing.tracer().start_as_current_span("dflash.draft", context=parent, kind=trace.SpanKind.SERVER) as span:
             span.set_attributes({"dflash.sessions": len(requests), "dflash.drafter.replica": self.replica,
@@ -145,14 +147,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                        for r, d in zip(requests, drafts)]
             return drafter_pb2.DraftBatchReply(replies=replies, draft_ms=ms)
 
-    def Release(self, request, context):
+    def Release(self, request: drafter_pb2.ReleaseRequest | MalformedMessage,
+                context: grpc.ServicerContext) -> drafter_pb2.ReleaseReply:
         if isinstance(request, MalformedMessage) or len(request.session_id) > MAX_SESSION_ID:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"session_id: not a ReleaseRequest with a session_id "
                           f"of at most {MAX_SESSION_ID} characters")
         self.sessions.release(request.session_id)
         return drafter_pb2.ReleaseReply()
 
-    def Describe(self, request, context):
+    def Describe(self, request: drafter_pb2.DescribeRequest | MalformedMessage,
+                 context: grpc.ServicerContext) -> drafter_pb2.DrafterInfo:
         if isinstance(request, MalformedMessage):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: not a DescribeRequest")
         d = self.sessions.drafter
@@ -170,7 +174,7 @@ class DrafterServer:
 
     def __init__(self, sessions: DraftSessions, store: SessionStore, host: str = "127.0.0.1", port: int = 0,
                  advertise_every_s: float = 1.0, workers: int = DrafterNetConfig.workers, token: str = "",
-                 credentials: grpc.ServerCredentials | None = None):
+                 credentials: grpc.ServerCredentials | None = None) -> None:
         self.store = store
         self.sessions = sessions
         self.server = grpc.server(
@@ -214,7 +218,9 @@ class DrafterServer:
             self._stop.wait(self.advertise_every_s)
 
 
-def _decoded(chunks):
+def _decoded(
+    chunks: Iterable[drafter_pb2.DraftRequestChunk | MalformedMessage],
+) -> Iterator[drafter_pb2.DraftRequestChunk]:
     """The stream's chunks; CodecError at the first one that did not decode (servicers.py)."""
     for chunk in chunks:
         if isinstance(chunk, MalformedMessage):

@@ -10,6 +10,7 @@ import re
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 
+from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry import trace
 
@@ -30,7 +31,7 @@ LIST_FIELDS = ("stop", "stop_token_ids")
 class Rejected(Exception):
     """A request answered with a gRPC error: `code` is a grpc.StatusCode name."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str) -> None:
         super().__init__(code, message)  # both in args, so the exception survives pickling across Ray
         self.code = code
         self.message = message
@@ -43,7 +44,7 @@ OpenStream = Callable[[VerifyRequest, dict], AsyncIterator]
 
 
 class Ingress:
-    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics | None = None):
+    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or ServiceMetrics("none")
         self._reflection = None  # built at the first reflection call
@@ -121,7 +122,7 @@ class Ingress:
             self._reflection = reflection.aio.ReflectionServicer(
                 ("dflash.v1.Generation", "grpc.health.v1.Health", reflection.SERVICE_NAME))
 
-        async def decoded():
+        async def decoded() -> AsyncIterator[Message]:
             async for request in requests:
                 check_decoded(request)
                 yield request
@@ -148,7 +149,7 @@ class Ingress:
             raise Rejected("UNAUTHENTICATED", "authorization: send metadata 'authorization: Bearer <token>'")
 
 
-def check_decoded(request) -> None:
+def check_decoded(request: Message | MalformedMessage) -> None:
     """Rejected (INVALID_ARGUMENT) for bytes that did not decode as the request (servicers.py)."""
     if isinstance(request, MalformedMessage):
         raise Rejected("INVALID_ARGUMENT", f"request: not a valid {request.message_type} ({request.reason}); "

@@ -16,11 +16,16 @@ import secrets
 import socket
 import tempfile
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..errors import DFlashError
 from .config import ServiceConfig, TlsConfig
 from .redis_process import RedisProcess, free_port, redis_server_path
 from .tls_front import FrontThread, TlsFront
+
+if TYPE_CHECKING:
+    import grpc
 
 log = logging.getLogger("dflash.service")
 
@@ -113,7 +118,7 @@ def start_local(config: ServiceConfig, num_cpus: int | None = None, timeout_s: f
     return service
 
 
-def grpc_proxy_bind_hook(host: str):
+def grpc_proxy_bind_hook(host: str) -> Callable[[], None]:
     """A Ray worker setup hook (run in every worker of this Ray job, Serve's proxy actor included) that
     makes Serve's gRPC proxy listen on `host` rather than on every interface.
 
@@ -124,14 +129,14 @@ def grpc_proxy_bind_hook(host: str):
     """
     bind = f"[{host}]" if ":" in host else host
 
-    def bind_serve_grpc_proxy_to_host():
+    def bind_serve_grpc_proxy_to_host() -> None:
         from ray.serve._private import default_impl
 
         add_address = getattr(default_impl, "add_grpc_address", None)
         if add_address is None or getattr(add_address, "dflash_bound", False):
             return
 
-        def add_grpc_address(server, address):
+        def add_grpc_address(server: grpc.aio.Server, address: str) -> None:
             return add_address(server, f"{bind}:{address.rsplit(':', 1)[1]}")
 
         add_grpc_address.dflash_bound = True

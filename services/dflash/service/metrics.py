@@ -19,6 +19,12 @@ with its own registry (tests, processes outside Ray); "none" records nothing.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import prometheus_client
+    from ray.util import metrics as ray_metrics
+
 TAU_BUCKETS = [1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 16]
 TPS_BUCKETS = [1, 5, 10, 25, 50, 100, 200, 400, 800, 1600]
 STEP_TOKEN_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
@@ -28,7 +34,8 @@ STEP_S_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.
 
 
 class ServiceMetrics:
-    def __init__(self, backend: str = "prometheus", registry=None):
+    def __init__(self, backend: str = "prometheus",
+                 registry: prometheus_client.CollectorRegistry | None = None) -> None:
         self.backend = backend
         self.registry = registry
         if backend == "none":
@@ -80,7 +87,9 @@ class ServiceMetrics:
         if self.backend != "none":
             _inc(self.errors, {"code": code})
 
-    def _prometheus_metric(self, kind, name, doc, labels, buckets=None):
+    def _prometheus_metric(
+        self, kind: str, name: str, doc: str, labels: tuple[str, ...], buckets: list[float] | None = None,
+    ) -> prometheus_client.Counter | prometheus_client.Gauge | prometheus_client.Histogram:
         import prometheus_client as pc
 
         if self.registry is None:
@@ -92,7 +101,9 @@ class ServiceMetrics:
         return pc.Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
 
-def _ray_metric(kind, name, doc, labels, buckets=None):
+def _ray_metric(
+    kind: str, name: str, doc: str, labels: tuple[str, ...], buckets: list[float] | None = None,
+) -> ray_metrics.Counter | ray_metrics.Gauge | ray_metrics.Histogram:
     from ray.util import metrics
 
     if kind == "counter":
@@ -102,12 +113,12 @@ def _ray_metric(kind, name, doc, labels, buckets=None):
     return metrics.Histogram(name, doc, boundaries=buckets, tag_keys=labels)
 
 
-def _inc(metric, labels: dict) -> None:
+def _inc(metric: prometheus_client.Counter | ray_metrics.Counter, labels: dict[str, str]) -> None:
     if hasattr(metric, "labels"):
         (metric.labels(**labels) if labels else metric).inc()
     else:
         metric.inc(1, tags=labels or None)
 
 
-def _observe(metric, value: float) -> None:
+def _observe(metric: prometheus_client.Histogram | ray_metrics.Histogram, value: float) -> None:
     metric.observe(value)

@@ -6,6 +6,7 @@ import torch
 
 from ..defaults import demo_pair
 from ..drafter.checkpoint import check_compatible, load_drafter
+from ..drafter.config import DFlashConfig
 from ..drafter.local import LocalDrafter
 from ..engine import SpeculativeEngine
 from ..loading import build_engine, resolve_device, resolve_dtype
@@ -35,7 +36,7 @@ def build_verifier_engine(config: ServiceConfig, store: SessionStore, metrics: S
     read here). Rounds are journaled to the session store, steps reported to metrics and traces."""
     target_dir, drafter_dir = model_dirs(config)
 
-    def remote(draft_config):
+    def remote(draft_config: DFlashConfig) -> RemoteDrafter:
         return RemoteDrafter(store, draft_config.block_size, draft_config.mask_token_id,
                              draft_config.target_layer_ids, config.drafter_net, metrics)
 

@@ -49,7 +49,7 @@ class RedisProcess:
     """
 
     def __init__(self, directory: str | Path, port: int | None = None, host: str = "127.0.0.1",
-                 password: str | None = None, supervise: bool = False):
+                 password: str | None = None, supervise: bool = False) -> None:
         self.binary = redis_server_path()
         if self.binary is None:
             raise DFlashError("redis-server is not installed (apt-get install redis-server)")
@@ -100,7 +100,7 @@ class RedisProcess:
     def __enter__(self) -> RedisProcess:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # -- helpers ----------------------------------------------------------------------------------

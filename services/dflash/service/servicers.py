@@ -11,26 +11,26 @@ proxy replaces each handler's behaviour by its routing to the ingress and keeps 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 
 from .messages import MalformedMessage, clip
 
 
-def add_GenerationServicer_to_server(servicer, server) -> None:  # noqa: N802 (gRPC's naming)
+def add_GenerationServicer_to_server(servicer: object, server: grpc.Server | grpc.aio.Server) -> None:  # noqa: N802 (gRPC's naming)
     from ..api.v1 import generate_pb2_grpc
 
     add_lenient(generate_pb2_grpc.add_GenerationServicer_to_server, servicer, server)
 
 
-def add_HealthServicer_to_server(servicer, server) -> None:  # noqa: N802
+def add_HealthServicer_to_server(servicer: object, server: grpc.Server | grpc.aio.Server) -> None:  # noqa: N802
     from grpc_health.v1 import health_pb2_grpc
 
     add_lenient(health_pb2_grpc.add_HealthServicer_to_server, servicer, server)
 
 
-def add_ServerReflectionServicer_to_server(servicer, server) -> None:  # noqa: N802
+def add_ServerReflectionServicer_to_server(servicer: object, server: grpc.Server | grpc.aio.Server) -> None:  # noqa: N802
     """Server reflection as a service of the application (the ingress answers it, behind the token),
     not the proxy's own (`gRPCOptions.enable_reflection`), which answers anyone."""
     from grpc_reflection.v1alpha import reflection_pb2_grpc
@@ -38,7 +38,7 @@ def add_ServerReflectionServicer_to_server(servicer, server) -> None:  # noqa: N
     add_lenient(reflection_pb2_grpc.add_ServerReflectionServicer_to_server, servicer, server)
 
 
-def add_lenient(add_generated: Callable, servicer, server) -> None:
+def add_lenient(add_generated: Callable, servicer: object, server: grpc.Server | grpc.aio.Server) -> None:
     """Run a generated `add_*Servicer_to_server(servicer, server)` with lenient request decoding."""
     registration = _LenientRegistration(server)
     add_generated(servicer, registration)
@@ -52,7 +52,7 @@ def lenient(deserializer: Callable[[bytes], object]) -> Callable[[bytes], object
     owner = getattr(deserializer, "__self__", None)
     message_type = getattr(getattr(owner, "DESCRIPTOR", None), "full_name", "the request message")
 
-    def decode(data: bytes):
+    def decode(data: bytes) -> object:
         try:
             return deserializer(data)
         except Exception as exc:  # protobuf's DecodeError (random bytes, a truncated varint, ...)
@@ -66,11 +66,11 @@ class _LenientRegistration:
     same handlers twice, as a generic handler and as a dict; the dict is rewritten and registered both
     ways on the real server."""
 
-    def __init__(self, server):
+    def __init__(self, server: grpc.Server | grpc.aio.Server) -> None:
         self.server = server
         self.services: list[str] = []
 
-    def add_generic_rpc_handlers(self, handlers) -> None:
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
         """Ignored: the same handlers follow through add_registered_method_handlers."""
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:

@@ -25,8 +25,9 @@ import json
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from ..errors import DFlashError, InvalidRequestError
 from ..journal import CommittedRound
@@ -34,6 +35,8 @@ from ..params import SamplingParams
 from .messages import redact_credentials
 
 RUNNING, FINISHED, CANCELLED, FAILED = "running", "finished", "cancelled", "failed"
+
+T = TypeVar("T")
 
 
 class StoreUnavailableError(DFlashError):
@@ -163,7 +166,7 @@ class RedisSessionStore:
     a cluster with the whole key prefix in one hash slot (a `{...}` hash tag in key_prefix).
     """
 
-    def __init__(self, url: str, ttl_s: int = 3600, prefix: str = "dflash", socket_timeout_s: float = 5.0):
+    def __init__(self, url: str, ttl_s: int = 3600, prefix: str = "dflash", socket_timeout_s: float = 5.0) -> None:
         import redis
 
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
@@ -183,7 +186,7 @@ class RedisSessionStore:
     def _keys(self, session_id: str) -> list[str]:
         return [self._key(session_id), self._key(session_id, ":out")]
 
-    def _run(self, fn):
+    def _run(self, fn: Callable[[], T]) -> T:
         try:
             return fn()
         except self._errors as exc:
@@ -196,7 +199,7 @@ class RedisSessionStore:
         self._run(self.redis.ping)
 
     def create(self, record: SessionRecord) -> None:
-        def write():
+        def write() -> None:
             hash_key, out_key = self._keys(record.session_id)
             pipe = self.redis.pipeline()
             pipe.delete(out_key)
@@ -214,7 +217,7 @@ class RedisSessionStore:
         self._run(write)
 
     def get(self, session_id: str) -> SessionRecord | None:
-        def read():
+        def read() -> list:
             pipe = self.redis.pipeline()
             pipe.hgetall(self._key(session_id))
             pipe.get(self._key(session_id, ":out"))
@@ -257,7 +260,7 @@ class RedisSessionStore:
 
     def drafters(self) -> list[str]:
         """Live drafter replicas; the entries of replicas that stopped advertising are deleted."""
-        def read():
+        def read() -> list[bytes]:
             now, key = time.time(), f"{self.prefix}:drafters"
             pipe = self.redis.pipeline()
             pipe.zremrangebyscore(key, "-inf", now)
@@ -292,7 +295,7 @@ class MemorySessionStore:
     Nothing survives a restart and other processes cannot see it; TTLs are not enforced.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._records: dict[str, SessionRecord] = {}
         self._drafters: dict[str, float] = {}

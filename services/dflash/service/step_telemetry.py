@@ -8,6 +8,8 @@ with the step's recorded start and end times: each round span is a child of its 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 from opentelemetry import trace
 
 from ..engine import StepReport
@@ -18,10 +20,10 @@ from .metrics import ServiceMetrics
 class StepTelemetry:
     """A `StepObserver` (engine.py) for the service."""
 
-    def __init__(self, metrics: ServiceMetrics | None = None):
+    def __init__(self, metrics: ServiceMetrics | None = None) -> None:
         self.metrics = metrics or ServiceMetrics("none")
 
-    def step_scope(self):
+    def step_scope(self) -> AbstractContextManager[trace.Span]:
         """The `dflash.step` span, current while the step runs (the drafter calls inside are its children)."""
         return tracing.tracer().start_as_current_span(
             "dflash.step", context=trace.set_span_in_context(trace.INVALID_SPAN))

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 
@@ -39,7 +39,7 @@ def _read_pem(path: str, field: str, marker: bytes) -> bytes:
     return data
 
 
-def certificate_configuration(tls: TlsConfig):
+def certificate_configuration(tls: TlsConfig) -> grpc.ServerCertificateConfiguration:
     """The server's key, certificate chain and (for mutual TLS) client CA, read and checked now."""
     chain = _read_pem(tls.cert_file, "tls.cert_file", b"CERTIFICATE-----")
     key = _read_pem(tls.key_file, "tls.key_file", b"PRIVATE KEY-----")
@@ -50,7 +50,7 @@ def certificate_configuration(tls: TlsConfig):
 class _Certificates:
     """Hands gRPC a new certificate configuration when a file changed (checked before each handshake)."""
 
-    def __init__(self, tls: TlsConfig):
+    def __init__(self, tls: TlsConfig) -> None:
         self.tls = tls
         self.stamp = self._stamp()
         self.initial = certificate_configuration(tls)
@@ -62,7 +62,7 @@ class _Certificates:
         except OSError:
             return ()
 
-    def fetch(self):
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         stamp = self._stamp()
         if not stamp or stamp == self.stamp:
             return None
@@ -88,7 +88,7 @@ def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
 class TlsFront:
     """Listens with TLS on `listen` (host:port) and forwards every method to `upstream` (plaintext)."""
 
-    def __init__(self, tls: TlsConfig, listen: str, upstream: str, grace_s: float = 5.0):
+    def __init__(self, tls: TlsConfig, listen: str, upstream: str, grace_s: float = 5.0) -> None:
         self.credentials = server_credentials(tls)  # file problems surface here, before anything listens
         self.listen = listen
         self.upstream = upstream
@@ -120,15 +120,16 @@ class TlsFront:
 
 
 class _Forwarder(grpc.GenericRpcHandler):
-    def __init__(self, channel: grpc.aio.Channel):
+    def __init__(self, channel: grpc.aio.Channel) -> None:
         self.channel = channel
 
-    def service(self, handler_call_details):
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         method = handler_call_details.method
         # No (de)serializers: messages cross as the bytes they arrived as.
         upstream = self.channel.stream_stream(method)
 
-        async def forward(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
+        async def forward(requests: AsyncIterator[bytes],
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             call = upstream(requests, metadata=_forwardable(context.invocation_metadata()),
                             timeout=context.time_remaining())
             try:
@@ -144,14 +145,14 @@ class _Forwarder(grpc.GenericRpcHandler):
         return grpc.stream_stream_rpc_method_handler(forward)
 
 
-def _forwardable(metadata) -> tuple:
+def _forwardable(metadata: Iterable[tuple[str, str | bytes]] | None) -> tuple[tuple[str, str | bytes], ...]:
     return tuple((k, v) for k, v in (metadata or ()) if not k.startswith(":") and k not in _HOP_METADATA)
 
 
 class FrontThread:
     """A TlsFront on its own event loop in a daemon thread, for callers without one (`dflash serve`)."""
 
-    def __init__(self, front: TlsFront):
+    def __init__(self, front: TlsFront) -> None:
         self.front = front
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="dflash-tls-front")

@@ -22,9 +22,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
 TRACER_NAME = "dflash"
 
@@ -74,7 +78,7 @@ def setup_tracing(service_name: str, env: Mapping[str, str] | None = None, trace
     return True
 
 
-def span_file_exporter(trace_dir: str, service_name: str):
+def span_file_exporter(trace_dir: str, service_name: str) -> ConsoleSpanExporter:
     """Finished spans as JSON lines in `<trace_dir>/spans-<service>-<pid>.jsonl` (line-buffered)."""
     from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 

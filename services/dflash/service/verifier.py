@@ -38,7 +38,7 @@ class Verifier:
     """Streams GenerateChunk messages (or one StreamError) for a VerifyRequest."""
 
     def __init__(self, engine: SpeculativeEngine, store: SessionStore, model_name: str = "",
-                 metrics: ServiceMetrics | None = None):
+                 metrics: ServiceMetrics | None = None) -> None:
         self.engine = engine
         self.store = store
         self.model_name = model_name
@@ -62,7 +62,8 @@ class Verifier:
             if token is not None:
                 tracing.otel_context.detach(token)
 
-    def _stream(self, request: VerifyRequest, cancelled: threading.Event):
+    def _stream(self, request: VerifyRequest,
+                cancelled: threading.Event) -> Iterator[generate_pb2.GenerateChunk | StreamError]:
         record = self.store.take_over(request.session_id, request.tokens_received) if request.resume \
             else self._create(request)
         if record.status == FINISHED:  # a resume of a finished session whose client has every token
