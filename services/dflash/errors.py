@@ -16,6 +16,6 @@ class IncompatibleDrafterError(CheckpointError):
 class InvalidRequestError(DFlashError, ValueError):
     """A generation request has a bad field; `field` names it."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field

@@ -10,11 +10,15 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .errors import InvalidRequestError
 from .generation import Generation
 from .params import SamplingParams
 from .textstream import TextStream
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,7 @@ def new_generation(
     prompt_ids: Iterable[int],
     params: SamplingParams,
     *,
-    tokenizer=None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     eos_token_ids: frozenset[int] = frozenset(),
     request_id: str | None = None,
     committed_ids: list[int] | None = None,

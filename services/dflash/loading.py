@@ -6,6 +6,7 @@ import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from .errors import CheckpointError, DFlashError
 from .journal import RoundJournal
 from .scheduler import SchedulerConfig
 from .target import TargetModel
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -81,7 +85,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype | str:
     return DTYPES[dtype]
 
 
-def load_target(path_or_id: str | Path, device: torch.device, dtype: torch.dtype | str):
+def load_target(path_or_id: str | Path, device: torch.device,
+                dtype: torch.dtype | str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Load any AutoModelForCausalLM and its tokenizer (None when the directory has none)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -107,7 +112,7 @@ def load_target(path_or_id: str | Path, device: torch.device, dtype: torch.dtype
     return model, tokenizer
 
 
-def eos_ids(model) -> list[int]:
+def eos_ids(model: PreTrainedModel) -> list[int]:
     eos = getattr(model.generation_config, "eos_token_id", None) if model.generation_config else None
     if eos is None:
         return []

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _TRIM = 1024  # characters of settled text kept in the working string before moving it to `_done`
 
@@ -30,7 +34,7 @@ class TextStream:
     a matched stop string) and `emitted` the number of its characters already released.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.token_ids: list[int] = []
@@ -90,7 +94,7 @@ class TextStream:
         self._trim()
         return TextDelta(delta, stop_at_token)
 
-    def _extend(self, window: list[int], new_tokens) -> tuple[list[int], str]:
+    def _extend(self, window: list[int], new_tokens: list[int]) -> tuple[list[int], str]:
         """The window with `new_tokens` added, and the text it adds after the settled text."""
         window = window + [t for t in new_tokens if t not in self._special]
         return window, self._decode(window)[len(self._prefix) :]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -16,6 +17,9 @@ from safetensors.torch import load_file, save_file
 from ..errors import CheckpointError, IncompatibleDrafterError
 from .config import DFlashConfig
 from .model import DFlashDraftModel
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 WEIGHTS = "model.safetensors"
 # Buffers some exporters write; they are recomputed from the config, never trained.
@@ -120,7 +124,7 @@ def save_drafter(model: DFlashDraftModel, directory: str | Path, dtype: torch.dt
     return directory
 
 
-def check_compatible(config: DFlashConfig, target_config, embedding_rows: int) -> None:
+def check_compatible(config: DFlashConfig, target_config: PretrainedConfig, embedding_rows: int) -> None:
     """Raise IncompatibleDrafterError naming the first mismatch between drafter and target."""
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     fix = "train or download a drafter made for this target"

@@ -22,7 +22,7 @@ class LocalDrafter:
     Implements the `Drafter` protocol; keeps every session's context keys/values in one KVCache.
     """
 
-    def __init__(self, model: DFlashDraftModel, embed_tokens: nn.Module, lm_head: nn.Module):
+    def __init__(self, model: DFlashDraftModel, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
         self.model = model
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head

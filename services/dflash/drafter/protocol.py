@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 
 from ..errors import DFlashError
-from ..params import MIN_SAMPLING_TEMPERATURE
+from ..params import MIN_SAMPLING_TEMPERATURE, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class DraftSampling:
         return self.temperature == 0.0
 
     @classmethod
-    def for_request(cls, params, seed: int) -> DraftSampling:
+    def for_request(cls, params: SamplingParams, seed: int) -> DraftSampling:
         """The rule for a request's SamplingParams and its sampling seed."""
         if params.greedy:
             return cls(min_confidence=params.draft_confidence)

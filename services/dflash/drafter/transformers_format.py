@@ -30,6 +30,7 @@ implementations call RoPE over different spans, so they are refused. Anything re
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from ..errors import CheckpointError
 from .checkpoint import load_drafter, read_config_json, read_weights, resolve_dir, save_drafter
 from .config import ARCHITECTURE, DFlashConfig
 from .model import DFlashDraftModel, qwen3_config
+
+if TYPE_CHECKING:
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
 MODEL_TYPE = "muse_glimmer_assistant"
 # Ours -> transformers; every other tensor name (layers.*, norm.weight) is the same on both sides.
@@ -49,7 +53,7 @@ DFLASH_FIELDS = ("block_size", "mask_token_id", "target_layer_ids")
 # -- configs -----------------------------------------------------------------------------------------
 
 
-def transformers_config(config: DFlashConfig):
+def transformers_config(config: DFlashConfig) -> MuseGlimmerAssistantConfig:
     """The MuseGlimmerAssistantConfig that runs `config`'s drafter exactly; refuses what would not."""
     from transformers import MuseGlimmerAssistantConfig
 
@@ -145,7 +149,7 @@ def _check_rope_type(rope: dict, field: str) -> None:
                               f"convertible: {', '.join(STATIC_ROPE)}")
 
 
-def _check_rope_equal(config: DFlashConfig, tconfig) -> None:
+def _check_rope_equal(config: DFlashConfig, tconfig: MuseGlimmerAssistantConfig) -> None:
     """Both sides' RoPE frequencies and scaling, computed by their own classes, must agree exactly."""
     from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant import (
         MuseGlimmerAssistantRotaryEmbedding,
@@ -161,7 +165,7 @@ def _check_rope_equal(config: DFlashConfig, tconfig) -> None:
 # -- models ------------------------------------------------------------------------------------------
 
 
-def to_transformers(model: DFlashDraftModel):
+def to_transformers(model: DFlashDraftModel) -> MuseGlimmerAssistantModel:
     """A MuseGlimmerAssistantModel with `model`'s weights (copied), same dtype and device, in eval mode."""
     from transformers import MuseGlimmerAssistantModel
 
@@ -172,7 +176,7 @@ def to_transformers(model: DFlashDraftModel):
     return assistant.to(device=param.device, dtype=param.dtype).eval()
 
 
-def from_transformers(assistant, *, num_target_layers: int | None = None,
+def from_transformers(assistant: MuseGlimmerAssistantModel, *, num_target_layers: int | None = None,
                       vocab_size: int | None = None) -> DFlashDraftModel:
     """Our DFlashDraftModel with a loaded MuseGlimmerAssistantModel's weights (copied)."""
     config = dflash_config(assistant.config.to_dict(), num_target_layers=num_target_layers,
