@@ -75,7 +75,7 @@ def test_config_layers_yaml_env_and_overrides(tmp_path):
 
 
 @pytest.mark.parametrize("tree, field", [
-    ({"redis": {"urll": "x"}}, "redis.urll"), ({"mode": "split"}, "mode"), ({"grpc_port": "9000"}, "grpc_port"),
+    ({"redis": {"urll": "x"}}, "redis.urll"), ({"mode": "split"}, "mode"), ({"grpc_port": "nine"}, "grpc_port"),
     ({"drafter_net": {"workers": 0}}, "drafter_net.workers"),
 ])
 def test_config_errors_name_the_key(tree, field):

@@ -344,11 +344,12 @@ def test_a_port_in_use_is_named(pki, front):
     ({"tls": {"cert_file": "c.pem"}}, "tls.key_file: must be set with tls.cert_file"),
     ({"tls": {"key_file": "k.pem"}}, "tls.cert_file: must be set with tls.key_file"),
     ({"tls": {"client_ca_file": "ca.pem"}}, "tls.cert_file: mutual TLS"),
-    ({"tls": {"cert_file": "c", "key_file": "k", "upstream_port": 70000}}, "tls.upstream_port: must be a port"),
+    ({"tls": {"cert_file": "c", "key_file": "k", "upstream_port": 70000}},
+     "tls.upstream_port: Input should be less than or equal to 65535"),
     ({"grpc_port": 9443, "tls": {"cert_file": "c", "key_file": "k", "upstream_port": 9443}},
      "tls.upstream_port: must differ"),
     ({"tls": {"cert": "c.pem"}}, "tls.cert: unknown configuration key"),
-    ({"tls": {"upstream_port": "high"}}, "tls.upstream_port: expected int"),
+    ({"tls": {"upstream_port": "high"}}, "tls.upstream_port: Input should be a valid integer"),
 ])
 def test_tls_config_errors_name_the_key(tree, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):

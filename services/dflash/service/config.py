@@ -4,7 +4,9 @@ One source for `dflash serve`, the Ray Serve application builder and the Helm ch
 the same tree (as `args` of the Serve application in `serveConfigV2`), and `ServiceConfig.from_dict`
 loads it. Precedence: defaults < YAML file < `DFLASH_*` environment variables < explicit overrides.
 Environment keys use `__` between levels: `DFLASH_REDIS__URL=redis://r:6379/0`,
-`DFLASH_VERIFIER__MAX_ONGOING_REQUESTS=8`. Unknown keys are errors that name the key.
+`DFLASH_VERIFIER__MAX_ONGOING_REQUESTS=8`. The classes are pydantic dataclasses: pydantic checks and
+coerces every value (lax mode, so environment text becomes the field's type), refuses unknown keys,
+and every error becomes a ConfigError that names the key path and where the value came from.
 """
 
 from __future__ import annotations
@@ -13,23 +15,42 @@ import copy
 import dataclasses
 import json
 import os
+import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import pydantic
+from pydantic import BeforeValidator, ConfigDict, Field, NonNegativeInt, PositiveInt
+from pydantic.dataclasses import dataclass
 
 from ..errors import DFlashError
 from ..scheduler import SchedulerConfig
 from .autoscaling import POLICY_FUNCTION as DRAFT_LOAD_POLICY
-
-MODES = ("colocated", "disaggregated")
 
 
 class ConfigError(DFlashError):
     """A configuration key is unknown or has a bad value; the message names it."""
 
 
-@dataclass(frozen=True)
+def _json_text(value: Any) -> Any:
+    # Environment values are text; a mapping field reads its variable as JSON (as pydantic-settings does).
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as exc:
+        raise ValueError(f"expected a mapping or its JSON text ({exc})") from None
+
+
+Port = Annotated[int, Field(ge=0, le=65535)]
+JsonDict = Annotated[dict, BeforeValidator(_json_text)]
+# Unknown keys are errors; the nested stdlib dataclass (SchedulerConfig) is validated under the same settings.
+_KEYS = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True, config=_KEYS)
 class ModelConfig:
     """Where the models come from; None target means the built-in demo pair."""
 
@@ -40,24 +61,25 @@ class ModelConfig:
     name: str = ""  # reported as gen_ai.request.model; defaults to the target path's last part
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_KEYS)
 class RedisConfig:
     """The session store. url "" starts a local redis-server (or an in-process store when none is installed)."""
 
     url: str = ""
-    ttl_s: int = 3600
+    ttl_s: PositiveInt = 3600
     key_prefix: str = "dflash"
     socket_timeout_s: float = 5.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_KEYS)
 class DeploymentConfig:
     """One Ray Serve deployment: replicas (or autoscaling), resources, admission limits."""
 
-    num_replicas: int = 1
-    autoscaling_config: dict | None = None  # Ray Serve's autoscaling_config; replaces num_replicas
-    ray_actor_options: dict = field(default_factory=lambda: {"num_cpus": 0.5})
-    max_ongoing_requests: int = 8
+    num_replicas: PositiveInt = 1
+    # Ray Serve's autoscaling_config; replaces num_replicas
+    autoscaling_config: Annotated[dict | None, BeforeValidator(_json_text)] = None
+    ray_actor_options: JsonDict = field(default_factory=lambda: {"num_cpus": 0.5})
+    max_ongoing_requests: PositiveInt = 8
     max_queued_requests: int = 64  # beyond this, RESOURCE_EXHAUSTED (-1: unbounded)
 
     def serve_options(self, default_policy: str = "") -> dict:
@@ -78,20 +100,20 @@ class DeploymentConfig:
         return options
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_KEYS)
 class DrafterNetConfig:
     """How the verifier reaches drafter replicas over gRPC."""
 
     host: str = "127.0.0.1"  # the address a drafter replica listens on and advertises
-    port: int = 0  # 0: a free port per replica
+    port: Port = 0  # 0: a free port per replica
     timeout_s: float = 10.0
     retry_after_s: float = 2.0  # a failed replica is skipped this long before it is tried again
-    chunk_bytes: int = 1 << 20  # context tensors travel in slices of this size
-    max_sessions: int = 256  # hot draft caches per replica (least recently used evicted)
-    workers: int = 8  # gRPC server threads per replica: Draft calls in flight at most (more wait, uncounted)
+    chunk_bytes: PositiveInt = 1 << 20  # context tensors travel in slices of this size
+    max_sessions: PositiveInt = 256  # hot draft caches per replica (least recently used evicted)
+    workers: PositiveInt = 8  # gRPC server threads per replica: Draft calls in flight at most (more wait, uncounted)
     # Target features of each session's most recent positions that the verifier keeps in its own memory,
     # to restart the session on a drafter replica that lost it (0: all positions).
-    context_window: int = 4096
+    context_window: NonNegativeInt = 4096
     # The internal Drafter API's shared secret: replicas refuse calls without `authorization: Bearer
     # <token>`, the verifier sends it. Empty: no check (`dflash serve` generates one; a cluster reads
     # it from a Secret as DFLASH_DRAFTER_NET__TOKEN).
@@ -120,16 +142,16 @@ class DrafterNetConfig:
         return bool(self.tls_cert_file)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_KEYS)
 class LimitsConfig:
     """Request limits checked by the ingress."""
 
-    max_new_tokens: int = 4096
+    max_new_tokens: PositiveInt = 4096
     max_request_bytes: int = 1 << 20
     max_stop_strings: int = 16
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_KEYS)
 class TlsConfig:
     """TLS on the public gRPC port, terminated by the TLS front (tls_front.py); empty cert_file: plaintext.
 
@@ -140,7 +162,7 @@ class TlsConfig:
     cert_file: str = ""  # certificate chain, leaf first
     key_file: str = ""  # the leaf's private key
     client_ca_file: str = ""  # non-empty: mutual TLS, clients must present a certificate this CA signed
-    upstream_port: int = 0  # Ray Serve's plaintext proxy behind the front (0: a free port)
+    upstream_port: Port = 0  # Ray Serve's plaintext proxy behind the front (0: a free port)
 
     def __post_init__(self) -> None:
         if self.cert_file and not self.key_file:
@@ -149,22 +171,20 @@ class TlsConfig:
             raise ConfigError("tls.cert_file: must be set with tls.key_file (the certificate chain)")
         if self.client_ca_file and not self.cert_file:
             raise ConfigError("tls.cert_file: mutual TLS (tls.client_ca_file) needs the server's certificate too")
-        if not 0 <= self.upstream_port < 65536:
-            raise ConfigError(f"tls.upstream_port: must be a port number, got {self.upstream_port}")
 
     @property
     def enabled(self) -> bool:
         return bool(self.cert_file)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_KEYS)
 class ServiceConfig:
     """Everything `dflash serve` and the Ray Serve application need."""
 
-    mode: str = "colocated"
+    mode: Literal["colocated", "disaggregated"] = "colocated"
     app_name: str = "dflash"
     grpc_host: str = "127.0.0.1"
-    grpc_port: int = 9000
+    grpc_port: Port = 9000
     auth_token: str = ""  # non-empty: clients must send `authorization: Bearer <token>`
     # Server reflection on the public port, answered by the ingress (with auth_token set, only to
     # callers that send the token). The health service is always open, for probes.
@@ -182,33 +202,16 @@ class ServiceConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     torch_threads: int = 0  # per replica; 0 leaves torch's default
-    metrics: str = "ray"  # "ray" (exported by Ray's Prometheus endpoint), "prometheus" (own registry), "none"
+    # "ray" (exported by Ray's Prometheus endpoint), "prometheus" (own registry), "none"
+    metrics: Literal["ray", "prometheus", "none"] = "ray"
     trace_dir: str = ""  # also write finished spans as JSON lines here, one file per process (debugging)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"mode: must be one of {MODES}, got {self.mode!r}")
-        if not 0 <= self.grpc_port < 65536:
-            raise ConfigError(f"grpc_port: must be a port number, got {self.grpc_port}")
-        if self.metrics not in ("ray", "prometheus", "none"):
-            raise ConfigError(f"metrics: must be ray, prometheus or none, got {self.metrics!r}")
-        if self.redis.ttl_s <= 0:
-            raise ConfigError(f"redis.ttl_s: must be positive, got {self.redis.ttl_s}")
-        if self.drafter_net.context_window < 0:
-            raise ConfigError(f"drafter_net.context_window: must be >= 0, got {self.drafter_net.context_window}")
         for name in ("ingress", "verifier", "drafter"):
-            dep = getattr(self, name)
-            if dep.num_replicas < 1 or dep.max_ongoing_requests < 1:
-                raise ConfigError(f"{name}: num_replicas and max_ongoing_requests must be >= 1")
             auto = _ray_autoscaling(f"{name}.autoscaling_config", self.serve_options(name).get("autoscaling_config"))
             if name == "drafter" and self.mode == "disaggregated" and auto and auto.min_replicas < 1:
                 raise ConfigError("drafter.autoscaling_config.min_replicas: must be >= 1; drafter replicas report "
                                   "their own load, so with none running nothing would scale them up")
-        for key in ("max_sessions", "workers", "chunk_bytes"):
-            if getattr(self.drafter_net, key) < 1:
-                raise ConfigError(f"drafter_net.{key}: must be >= 1, got {getattr(self.drafter_net, key)}")
-        if self.limits.max_new_tokens < 1:
-            raise ConfigError("limits.max_new_tokens: must be >= 1")
         if self.tls.enabled and self.tls.upstream_port and self.tls.upstream_port == self.grpc_port:
             raise ConfigError(f"tls.upstream_port: must differ from grpc_port ({self.grpc_port}), where TLS is served")
 
@@ -227,8 +230,9 @@ class ServiceConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> ServiceConfig:
-        """Build from a nested mapping (YAML, Serve `args`); unknown keys raise ConfigError naming them."""
-        return _build(cls, raw or {}, "")
+        """Build from a nested mapping (YAML, Serve `args`); an unknown key or a bad value raises
+        ConfigError naming its path."""
+        return _validate(raw or {}, {})
 
     @classmethod
     def for_replica(cls, args: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ServiceConfig:
@@ -246,17 +250,52 @@ def load_config(
     overrides: Mapping[str, Any] | None = None,
     base: Mapping[str, Any] | None = None,
 ) -> ServiceConfig:
-    """base < YAML file < DFLASH_* environment < overrides (dotted keys, e.g. {"redis.url": ...})."""
+    """base < YAML file < DFLASH_* environment < overrides (dotted keys from the command line's flags,
+    e.g. {"redis.url": ...}; None: not given). A bad value's error names its key and its source."""
     tree: dict = copy.deepcopy(dict(base or {}))
+    sources: dict[str, str] = {}
     if path is not None:
         for key, value in _flatten(_read_yaml(Path(path))):
-            _set_dotted(tree, key, value)
-    for key, value in _env_items(os.environ if env is None else env):
-        _set_dotted(tree, key, value)
+            _set_dotted(tree, sources, key, value, str(path))
+    for name, value in (os.environ if env is None else env).items():
+        if name.startswith("DFLASH_") and name != "DFLASH_CONFIG":
+            _set_dotted(tree, sources, name[len("DFLASH_"):].lower().replace("__", "."), value, name)
     for key, value in (overrides or {}).items():
         if value is not None:
-            _set_dotted(tree, key, value)
-    return ServiceConfig.from_dict(tree)
+            _set_dotted(tree, sources, key, value, "the command line")
+    return _validate(tree, sources)
+
+
+_TREE = pydantic.TypeAdapter(ServiceConfig)
+
+
+def _validate(tree: Mapping[str, Any], sources: Mapping[str, str]) -> ServiceConfig:
+    """pydantic builds the whole tree; its first error becomes one line naming the key path and source."""
+    try:
+        return _TREE.validate_python(tree)
+    except pydantic.ValidationError as exc:
+        first, *rest = exc.errors(include_url=False)
+        path = ".".join(str(part) for part in first["loc"])
+        if first["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+            problem = f"unknown configuration key (known: {', '.join(_known_keys(first['loc'][:-1]))})"
+        else:  # a ValueError raised in a validator is its own message
+            message = first["ctx"]["error"] if first["type"] == "value_error" else first["msg"]
+            problem = f"{message}, got {first['input']!r}"
+        source = next((f" (from {label})" for key, label in reversed(sources.items())
+                       if f"{path}.".startswith(f"{key}.") or key.startswith(f"{path}.")), "")
+        more = f" (and {len(rest)} more)" if rest else ""
+        raise ConfigError(f"{path or 'config'}: {problem}{source}{more}") from None
+    except ConfigError:
+        raise
+    except DFlashError as exc:  # SchedulerConfig's own checks name their key already
+        raise ConfigError(str(exc)) from None
+
+
+def _known_keys(section: tuple) -> list[str]:
+    cls = ServiceConfig
+    for name in section:
+        cls = typing.get_type_hints(cls)[name]
+    return [f.name for f in dataclasses.fields(cls)]
 
 
 def _ray_autoscaling(where: str, auto: dict | None):
@@ -266,7 +305,6 @@ def _ray_autoscaling(where: str, auto: dict | None):
         return None
     import inspect
 
-    import pydantic
     from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
     policy = auto.get("policy")
@@ -305,21 +343,6 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
-def _env_items(env: Mapping[str, str]):
-    for name, value in env.items():
-        if name.startswith("DFLASH_") and name not in ("DFLASH_CONFIG",):
-            yield name[len("DFLASH_"):].lower().replace("__", "."), _parse_scalar(value)
-
-
-class _EnvText(str):
-    """A value from the environment: a string field keeps it verbatim (a token of digits stays a
-    string); other fields read it as JSON (numbers, booleans, objects)."""
-
-
-def _parse_scalar(text: str) -> Any:
-    return _EnvText(text)
-
-
 def _flatten(tree: Mapping[str, Any], prefix: str = ""):
     for key, value in tree.items():
         if isinstance(value, Mapping) and value:
@@ -328,54 +351,13 @@ def _flatten(tree: Mapping[str, Any], prefix: str = ""):
             yield f"{prefix}{key}", value
 
 
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+def _set_dotted(tree: dict, sources: dict[str, str], dotted: str, value: Any, source: str) -> None:
     *parents, leaf = dotted.split(".")
     node = tree
     for part in parents:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"{dotted}: {part} is not a section")
+            raise ConfigError(f"{dotted}: {part} is not a section (from {source})")
     node[leaf] = value
-
-
-def _build(cls, raw: Mapping[str, Any], prefix: str):
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: must be a mapping, got {raw!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown configuration key (known: {', '.join(fields)})")
-    kwargs = {}
-    for name, value in raw.items():
-        kind = fields[name].type
-        sub = _SECTIONS.get(kind)
-        kwargs[name] = _build(sub, value, f"{prefix}{name}.") if sub else _coerce(f"{prefix}{name}", kind, value)
-    return cls(**kwargs)
-
-
-def _coerce(name: str, kind: str, value: Any) -> Any:
-    expected = {"int": int, "float": (int, float), "str": str, "bool": bool, "dict | None": (dict, type(None)),
-                "dict": dict, "str | None": (str, type(None))}.get(kind)
-    if isinstance(value, _EnvText):
-        if kind in ("str", "str | None"):
-            return str(value)
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise ConfigError(f"{name}: expected {kind} (as JSON) from the environment, got {str(value)!r}") from None
-    if expected is None:
-        return value
-    if isinstance(value, bool) and kind in ("int", "float") or not isinstance(value, expected):
-        raise ConfigError(f"{name}: expected {kind}, got {value!r}")
-    return float(value) if kind == "float" else value
-
-
-_SECTIONS = {
-    "ModelConfig": ModelConfig,
-    "RedisConfig": RedisConfig,
-    "DeploymentConfig": DeploymentConfig,
-    "DrafterNetConfig": DrafterNetConfig,
-    "LimitsConfig": LimitsConfig,
-    "TlsConfig": TlsConfig,
-    "SchedulerConfig": SchedulerConfig,
-}
+    sources.pop(dotted, None)  # the latest layer names the value now
+    sources[dotted] = source
