@@ -9,9 +9,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from ..errors import DFlashError
+
+if TYPE_CHECKING:
+    from ..api.v1 import generate_pb2, generate_pb2_grpc
 
 CONNECT_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 600.0
@@ -20,11 +25,12 @@ REQUEST_TIMEOUT_S = 600.0
 class Client:
     """A `Generation` stub and the call metadata (a bearer token when the service has auth on)."""
 
-    def __init__(self, stub, token: str = ""):
+    def __init__(self, stub: generate_pb2_grpc.GenerationStub, token: str = "") -> None:
         self.stub = stub
         self.metadata = [("authorization", f"Bearer {token}")] if token else []
 
-    def generate(self, request, timeout_s: float):
+    def generate(self, request: generate_pb2.GenerateRequest,
+                 timeout_s: float) -> Iterator[generate_pb2.GenerateChunk]:
         return self.stub.Generate(request, metadata=self.metadata, timeout=timeout_s)
 
 
@@ -63,7 +69,8 @@ class Record:
         return self.decode_s / n if self.finished and n > 0 else None
 
 
-def make_request(prompt, max_new_tokens, temperature, seed, block_size, ignore_eos: bool = False):
+def make_request(prompt: str | Sequence[int], max_new_tokens: int, temperature: float, seed: int,
+                 block_size: int | None, ignore_eos: bool = False) -> generate_pb2.GenerateRequest:
     """A GenerateRequest; `prompt` is text (the server encodes it) or a list of token ids; `block_size`
     None leaves the field unset (the service's default block), 1 runs the target alone."""
     from ..api.v1 import generate_pb2
@@ -76,8 +83,9 @@ def make_request(prompt, max_new_tokens, temperature, seed, block_size, ignore_e
     return generate_pb2.GenerateRequest(**kwargs)
 
 
-def stream_request(client: Client, prompt_ids, max_new_tokens, temperature, seed, block_size=None,
-                   timeout_s=REQUEST_TIMEOUT_S, deadline: float | None = None, ignore_eos: bool = False) -> Record:
+def stream_request(client: Client, prompt_ids: str | Sequence[int], max_new_tokens: int, temperature: float,
+                   seed: int, block_size: int | None = None, timeout_s: float = REQUEST_TIMEOUT_S,
+                   deadline: float | None = None, ignore_eos: bool = False) -> Record:
     """Stream one `Generate` call; stop listening (cancel) at `deadline` (perf_counter time) if given."""
     import grpc
 
@@ -159,7 +167,7 @@ def parse_concurrencies(text: str) -> tuple[int, ...]:
     return tuple(sorted(values))
 
 
-def run_sweep(settings: SweepSettings, prompts: list, progress=None) -> dict:
+def run_sweep(settings: SweepSettings, prompts: list, progress: Callable[[dict], None] | None = None) -> dict:
     """Every (concurrency, method) cell, the methods interleaved at each concurrency so that drift in
     the machine's speed hits both alike; `progress(cell)` is called as each cell finishes."""
     if not prompts:
@@ -207,7 +215,7 @@ def run_cell(client: Client, settings: SweepSettings, method: LoadMethod, concur
     return [r for rs in records for r in rs], max(ends) - starts[0]
 
 
-def _one(client: Client, settings: SweepSettings, method: LoadMethod, prompt, seed: int,
+def _one(client: Client, settings: SweepSettings, method: LoadMethod, prompt: str | Sequence[int], seed: int,
          deadline: float | None) -> Record:
     try:
         return stream_request(client, prompt, settings.max_new_tokens, settings.temperature, seed,

@@ -17,13 +17,20 @@ the same things the same way:
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..engine import SpeculativeEngine
 from ..params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ..drafter.model import DFlashDraftModel
 
 
 @dataclass
@@ -59,13 +66,13 @@ class Method(Protocol):
 class EngineMethod:
     """Our decode loop; block 1 is the target alone through the same code path."""
 
-    def __init__(self, name: str, engine: SpeculativeEngine, block_size: int, draft_confidence: float = 0.0):
+    def __init__(self, name: str, engine: SpeculativeEngine, block_size: int, draft_confidence: float = 0.0) -> None:
         self.name = name
         self.engine = engine
         self.block_size = block_size
         self.draft_confidence = draft_confidence
 
-    def run(self, prompt_ids, max_new_tokens, temperature, seed) -> Sample:
+    def run(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> Sample:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                 block_size=self.block_size, draft_confidence=self.draft_confidence)
         tokens, committed, draft_ms, verify_ms, totals = [], [], 0.0, 0.0, None
@@ -90,13 +97,13 @@ class _Clock:
     the hooks time each forward of the target and of the draft model.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.start = time.perf_counter()
         self.chunks: list[tuple[float, int]] = []
         self.forwards: dict[str, list[tuple[float, float]]] = {"target": [], "draft": []}
         self._seen_prompt = False
 
-    def put(self, value) -> None:
+    def put(self, value: torch.Tensor) -> None:
         if not self._seen_prompt:
             self._seen_prompt = True
             return
@@ -105,13 +112,13 @@ class _Clock:
     def end(self) -> None:
         pass
 
-    def hook(self, model: torch.nn.Module, role: str) -> list:
+    def hook(self, model: torch.nn.Module, role: str) -> list[RemovableHandle]:
         started = []
 
-        def pre(*_):
+        def pre(*_: object) -> None:
             started.append(time.perf_counter())
 
-        def post(*_):
+        def post(*_: object) -> None:
             self.forwards[role].append((started.pop(), time.perf_counter()))
 
         return [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
@@ -125,7 +132,8 @@ class _Clock:
 class HFMethod:
     """`model.generate` with extra keyword arguments: none (plain), an assistant model, or prompt lookup."""
 
-    def __init__(self, name: str, model, draft_model=None, pad_token_id: int | None = None, **generate_kwargs):
+    def __init__(self, name: str, model: PreTrainedModel, draft_model: PreTrainedModel | None = None,
+                 pad_token_id: int | None = None, **generate_kwargs: object) -> None:
         self.name = name
         self.model = model
         self.draft_model = draft_model
@@ -135,7 +143,7 @@ class HFMethod:
             self.kwargs["assistant_model"] = draft_model
 
     @torch.inference_mode()
-    def run(self, prompt_ids, max_new_tokens, temperature, seed) -> Sample:
+    def run(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> Sample:
         device = self.model.device
         ids = torch.tensor([prompt_ids], device=device)
         sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
@@ -169,11 +177,12 @@ class HFMethod:
         )
 
 
-def plain_generate(model, pad_token_id=None) -> HFMethod:
+def plain_generate(model: PreTrainedModel, pad_token_id: int | None = None) -> HFMethod:
     return HFMethod("transformers generate", model, pad_token_id=pad_token_id)
 
 
-def assisted_generate(model, draft_model, pad_token_id=None, num_assistant_tokens: int | None = None) -> HFMethod:
+def assisted_generate(model: PreTrainedModel, draft_model: PreTrainedModel, pad_token_id: int | None = None,
+                      num_assistant_tokens: int | None = None) -> HFMethod:
     """Assisted generation; None keeps transformers' own schedule (what a user gets by default)."""
     extra = {} if num_assistant_tokens is None else dict(
         num_assistant_tokens=num_assistant_tokens, num_assistant_tokens_schedule="constant",
@@ -181,14 +190,15 @@ def assisted_generate(model, draft_model, pad_token_id=None, num_assistant_token
     return HFMethod("transformers assisted (AR draft)", model, draft_model, pad_token_id, **extra)
 
 
-def prompt_lookup(model, pad_token_id=None, num_tokens: int = 10) -> HFMethod:
+def prompt_lookup(model: PreTrainedModel, pad_token_id: int | None = None, num_tokens: int = 10) -> HFMethod:
     return HFMethod("transformers prompt lookup", model, pad_token_id=pad_token_id, prompt_lookup_num_tokens=num_tokens)
 
 
 TRANSFORMERS_DFLASH = "transformers DFlash (same drafter)"
 
 
-def transformers_dflash(model, drafter_model, pad_token_id=None) -> HFMethod:
+def transformers_dflash(model: PreTrainedModel, drafter_model: DFlashDraftModel,
+                        pad_token_id: int | None = None) -> HFMethod:
     """transformers' own DFlash loop (`speculation_type="dflash"`) on our drafter's weights, converted
     exactly (dflash.drafter.transformers_format); raises CheckpointError for a drafter it cannot run."""
     from ..drafter.transformers_format import to_transformers
@@ -204,7 +214,7 @@ class ServiceMethod:
     """DFlash through a running `dflash serve` (gRPC `Generate`, streamed); times are the client's."""
 
     def __init__(self, name: str, address: str, block_size: int | None = None, token: str = "",
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0) -> None:
         from .load import connect
 
         self.name = name
@@ -212,7 +222,7 @@ class ServiceMethod:
         self.block_size = block_size
         self.timeout_s = timeout_s
 
-    def run(self, prompt_ids, max_new_tokens, temperature, seed) -> Sample:
+    def run(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> Sample:
         from .load import stream_request
 
         record = stream_request(self.client, prompt_ids, max_new_tokens, temperature, seed, self.block_size,
@@ -226,9 +236,10 @@ class ServiceMethod:
 # -- the set under test ----------------------------------------------------------------------------
 
 
-def build_methods(keys, engine: SpeculativeEngine, baseline: SpeculativeEngine, ar_model, service: str | None,
-                  assist_tokens: int | None = None, lookup_tokens: int = 10,
-                  service_token: str = "", draft_confidence: float = 0.0) -> tuple[list, dict[str, str]]:
+def build_methods(keys: Iterable[str], engine: SpeculativeEngine, baseline: SpeculativeEngine,
+                  ar_model: PreTrainedModel | str, service: str | None, assist_tokens: int | None = None,
+                  lookup_tokens: int = 10, service_token: str = "",
+                  draft_confidence: float = 0.0) -> tuple[list[Method], dict[str, str]]:
     """The methods named by `keys` (see commands/bench.py), and {name: reason} for those that cannot run.
 
     `baseline` is the target-only engine (block 1); `ar_model` the assisted-generation draft model or a

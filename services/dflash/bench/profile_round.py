@@ -14,6 +14,7 @@ import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..engine import SpeculativeEngine
 from ..errors import DFlashError
@@ -21,6 +22,9 @@ from ..generation import Generation, RoundOutput
 from ..params import SamplingParams
 from ..rounds import accept_length, committed_tokens
 from ..sampling import sample_tokens
+
+if TYPE_CHECKING:
+    from torch import nn
 
 PARTS = (
     ("draft_forward", "draft forward (drafter layers)"),
@@ -57,16 +61,16 @@ class RoundProfile:
 class _Timers:
     """Instance-level timing wrappers and forward hooks, all removed by `close`."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.acc: dict[str, float] = defaultdict(float)
         self.phase = None
         self.last: dict[str, object] = {}  # the latest return value of each wrapped call
         self._undo = []
 
-    def wrap(self, obj, name: str, key: str, phase: str | None = None) -> None:
+    def wrap(self, obj: object, name: str, key: str, phase: str | None = None) -> None:
         inner = getattr(obj, name)
 
-        def timed(*args, **kwargs):
+        def timed(*args: object, **kwargs: object) -> object:
             outer, t0 = self.phase, time.perf_counter()
             self.phase = phase or outer
             try:
@@ -79,13 +83,13 @@ class _Timers:
         setattr(obj, name, timed)
         self._undo.append(lambda: delattr(obj, name))
 
-    def hook(self, module, key: str, only_in: str | None = None) -> None:
+    def hook(self, module: nn.Module, key: str, only_in: str | None = None) -> None:
         started = []
 
-        def pre(*_):
+        def pre(*_: object) -> None:
             started.append(time.perf_counter())
 
-        def post(*_):
+        def post(*_: object) -> None:
             t0 = started.pop()
             if only_in is None or self.phase == only_in:
                 self.acc[key] += time.perf_counter() - t0
@@ -181,7 +185,7 @@ def _one_round(gen: Generation) -> RoundOutput:
     return gen.outbox.popleft()
 
 
-def _acceptance_seconds(last: dict, params, seed, position, verified: int) -> float:
+def _acceptance_seconds(last: dict, params: SamplingParams, seed: int, position: int, verified: int) -> float:
     """The round's sampling of the posterior and acceptance, timed again on its own tensors."""
     t0 = time.perf_counter()
     posterior = sample_tokens(last["verify"][0].logits, params, seed, position).cpu()
@@ -190,7 +194,8 @@ def _acceptance_seconds(last: dict, params, seed, position, verified: int) -> fl
     return time.perf_counter() - t0
 
 
-def _summarize(block_size, draft_confidence, samples, target_step_ms) -> RoundProfile:
+def _summarize(block_size: int, draft_confidence: float, samples: list[tuple[float, dict[str, float], int, int]],
+               target_step_ms: float | None) -> RoundProfile:
     """Mean of each part over the fastest 75% of rounds: parts add up to the round, and a round
     that a background process interrupted does not count."""
     kept = sorted(samples, key=lambda s: s[0])[: max(1, (3 * len(samples) + 3) // 4)]
@@ -216,7 +221,7 @@ def _summarize(block_size, draft_confidence, samples, target_step_ms) -> RoundPr
                         statistics.fmean(s[3] for s in samples))
 
 
-def _target_step_ms(baseline: SpeculativeEngine, prompt_ids, rounds) -> float:
+def _target_step_ms(baseline: SpeculativeEngine, prompt_ids: list[int], rounds: int) -> float:
     """One target-only round (block 1) of the baseline engine, the same way: one session, step by step."""
     _check_idle(baseline)
     gen = baseline.start(prompt_ids, SamplingParams(max_new_tokens=rounds + 8, block_size=1, ignore_eos=True))

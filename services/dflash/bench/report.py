@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from .load import percentile
+from .methods import Sample
 from .runner import BenchRun
 
 COLUMNS = ("method", "T", "decode tok/s", "speedup", "tau", "TTFT ms", "TPOT ms", "draft ms/round",
@@ -38,18 +39,19 @@ def summarize(run: BenchRun, reference: str, unavailable: dict[str, str] | None 
     return rows
 
 
-def _rate(samples) -> float:
+def _rate(samples: list[Sample]) -> float:
     seconds = sum(s.decode_s for s in samples)
     return sum(s.decode_tokens for s in samples) / seconds if seconds > 0 else 0.0
 
 
-def _row(name, temperature, samples, ref, ref_rate, is_reference) -> dict:
+def _row(name: str, temperature: float, samples: list[Sample], ref: list[Sample], ref_rate: float,
+         is_reference: bool) -> dict:
     rate = _rate(samples)
     hist = Counter(k for s in samples for k in s.committed)
     rounds = sum(hist.values())
     drafted = [s for s in samples if s.draft_s is not None]
 
-    def per_round(total):
+    def per_round(total: float) -> float | None:
         return round(1000 * total / rounds, 3) if rounds else None
 
     decode_s = sum(s.decode_s for s in samples)
@@ -98,11 +100,11 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _num(v, suffix="") -> str:
+def _num(v: float | None, suffix: str = "") -> str:
     return "-" if v is None else f"{v:.2f}{suffix}"
 
 
-def _greedy(g) -> str:
+def _greedy(g: dict[str, int] | str | None) -> str:
     if g is None:
         return "-"
     if g == "reference":
@@ -165,7 +167,7 @@ def plot_all(out_dir: Path, rows: list[dict]) -> list[Path]:
     return paths
 
 
-def _plot_speedup(path, rows, names, temps) -> None:
+def _plot_speedup(path: Path, rows: list[dict], names: list[str], temps: list[float]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 0.5 + 0.55 * max(len(names), 1)))
@@ -185,7 +187,7 @@ def _plot_speedup(path, rows, names, temps) -> None:
     plt.close(fig)
 
 
-def _plot_histograms(path, rows, temps) -> None:
+def _plot_histograms(path: Path, rows: list[dict], temps: list[float]) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
@@ -209,7 +211,7 @@ def _plot_histograms(path, rows, temps) -> None:
     plt.close(fig)
 
 
-def _plot_round_time(path, rows, temperature) -> None:
+def _plot_round_time(path: Path, rows: list[dict], temperature: float) -> None:
     import matplotlib.pyplot as plt
 
     rs = [r for r in rows if r["temperature"] == temperature and r["rounds"]]

@@ -57,7 +57,8 @@ def run_bench(methods: list[Method], prompts: list[list[int]], settings: BenchSe
     return run
 
 
-def _try(run: BenchRun, live: list[Method], method: Method, prompt, max_new_tokens, temperature, seed):
+def _try(run: BenchRun, live: list[Method], method: Method, prompt: list[int], max_new_tokens: int,
+         temperature: float, seed: int) -> Sample | None:
     try:
         return method.run(prompt, max_new_tokens, temperature, seed)
     except Exception as exc:  # a broken method must not take the others down; its row says why
