@@ -13,10 +13,16 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..defaults import DEMO_AR_DRAFT
 from ..errors import DFlashError
 from .generate import add_model_args, model_dirs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ..engine import SpeculativeEngine
 
 METHODS = ("target", "hf", "assisted", "lookup", "dflash16", "dflash16c", "dflash8", "hfdflash", "service")
 REFERENCE = "target only (engine, block 1)"
@@ -35,7 +41,7 @@ class BenchArgs:
     duration_s: float | None  # load mode: a cap per cell; None runs every request
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="benchmark DFlash against other decoders (same run, same prompts)",
                        description="Decode the same prompts with every method, interleaved; print a Markdown table "
                                    "and write JSON, results.md and PNG plots. With no --target: the demo pair.")
@@ -177,7 +183,8 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(words)
 
 
-def load_models(target, drafter, ar_draft, args):
+def load_models(target: str | Path, drafter: str | Path | None, ar_draft: str | Path | None,
+                args: argparse.Namespace) -> tuple[SpeculativeEngine, SpeculativeEngine, PreTrainedModel | str]:
     """The DFlash engine, a target-only engine sharing its model, and the AR draft model (or a reason)."""
     from ..engine import SpeculativeEngine
     from ..loading import build_engine, load_target, resolve_device
@@ -201,7 +208,7 @@ def load_models(target, drafter, ar_draft, args):
     return engine, baseline, ar_model
 
 
-def _tau(rows, block_size, draft_confidence: float = 0.0) -> float | None:
+def _tau(rows: list[dict], block_size: int, draft_confidence: float = 0.0) -> float | None:
     name = f"DFlash block {block_size}" + (f", draft confidence {draft_confidence:g}" if draft_confidence else "")
     for r in rows:
         if r["method"] == name and r["temperature"] == 0.0 and "unavailable" not in r:
@@ -209,7 +216,8 @@ def _tau(rows, block_size, draft_confidence: float = 0.0) -> float | None:
     return None
 
 
-def profile_text(engine, baseline, prompt_ids, settings: BenchArgs, tau, draft_confidence: float = 0.0) -> str:
+def profile_text(engine: SpeculativeEngine, baseline: SpeculativeEngine, prompt_ids: list[int], settings: BenchArgs,
+                 tau: float | None, draft_confidence: float = 0.0) -> str:
     from ..bench.profile_round import format_profile, profile_round
 
     if engine.drafter is None:

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import DFlashError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 FORMATS = ("transformers", "dflash")
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "export",
         help="convert a drafter to transformers' DFlash assistant format, or back",
@@ -56,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _target_config(path_or_id: str):
+def _target_config(path_or_id: str) -> PretrainedConfig:
     """The target's text config, read without loading its weights."""
     from transformers import AutoConfig
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ..defaults import demo_pair
 from ..errors import DFlashError
 from ..params import SamplingParams
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "generate",
         help="generate text with speculative decoding",
@@ -68,7 +69,7 @@ def params_from_args(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def model_dirs(args: argparse.Namespace):
+def model_dirs(args: argparse.Namespace) -> tuple[str | Path, str | Path | None]:
     if args.target is None:
         target, drafter = demo_pair()
         return target, args.drafter or drafter

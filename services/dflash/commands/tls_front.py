@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..service.tls_front import TlsFront
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "tls-front",
         help="terminate TLS on a port and forward every gRPC call to a plaintext server",
@@ -39,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve_until_signal(front) -> None:
+async def _serve_until_signal(front: TlsFront) -> None:
     import asyncio
     import signal
 

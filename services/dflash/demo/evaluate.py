@@ -9,9 +9,10 @@ the first included, verifies one drafted run of tokens and commits the accepted 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from ..loading import build_engine
 from ..params import SamplingParams
@@ -21,7 +22,8 @@ DRAFT_CONFIDENCE = 0.05  # also measured: block 16 with drafts cut at this joint
 AR_DRAFT_TOKENS = 15  # the AR draft proposes as many tokens a round as a block of 16 holds drafts
 
 
-def evaluate_pair(target_dir, drafter_dir, ar_draft_dir, prompts: list[str], max_new_tokens: int) -> list[dict]:
+def evaluate_pair(target_dir: str | Path, drafter_dir: str | Path, ar_draft_dir: str | Path, prompts: list[str],
+                  max_new_tokens: int) -> list[dict]:
     """One row per method at T=0 and T=1: DFlash block 16 and 8, block 16 with confidence-cut drafts, and
     assisted generation with the AR draft; printed as they come."""
     from transformers import AutoTokenizer
@@ -38,7 +40,7 @@ def evaluate_pair(target_dir, drafter_dir, ar_draft_dir, prompts: list[str], max
     return rows
 
 
-def dflash_tau(target_dir, drafter_dir, prompts: list[str], block_size: int, temperature: float,
+def dflash_tau(target_dir: str | Path, drafter_dir: str | Path, prompts: list[str], block_size: int, temperature: float,
                max_new_tokens: int, draft_confidence: float = 0.0) -> dict:
     # Every round verifies the whole block (or the confidence-cut draft): tau measures the drafter, not the
     # engine's choice of how many proposals pay on this machine.
@@ -63,8 +65,8 @@ def dflash_tau(target_dir, drafter_dir, prompts: list[str], block_size: int, tem
 
 
 @torch.inference_mode()
-def assisted_tau(target_dir, draft_dir, tokenizer, prompts: list[str], num_assistant_tokens: int,
-                 temperature: float, max_new_tokens: int) -> dict:
+def assisted_tau(target_dir: str | Path, draft_dir: str | Path, tokenizer: PreTrainedTokenizerBase,
+                 prompts: list[str], num_assistant_tokens: int, temperature: float, max_new_tokens: int) -> dict:
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
     calls = [0]

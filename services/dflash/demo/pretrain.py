@@ -22,7 +22,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
+from transformers import (
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    get_cosine_with_min_lr_schedule_with_warmup,
+)
 
 from dflash.demo import corpus
 from dflash.demo.tokenizer import ensure_tokenizer
@@ -101,7 +108,7 @@ def resolve_texts(data: str, max_files: int | None = None) -> list[str]:
     return texts[:max_files] if max_files is not None else texts
 
 
-def tokenize_concat(tokenizer, texts: list[str]) -> np.ndarray:
+def tokenize_concat(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> np.ndarray:
     """Tokenize ``texts`` and join them with EOS (also before the first text)."""
     eos = tokenizer.eos_token_id
     parts = [np.array([eos], dtype=np.int64)]
@@ -114,7 +121,7 @@ def tokenize_concat(tokenizer, texts: list[str]) -> np.ndarray:
     return out.astype(np.uint16)
 
 
-def cached_tokens(tokenizer, texts: list[str], path: Path) -> torch.Tensor:
+def cached_tokens(tokenizer: PreTrainedTokenizerBase, texts: list[str], path: Path) -> torch.Tensor:
     """Tokenize ``texts`` once, caching the token array in ``path`` (.npy).
 
     The cache is not keyed on the tokenizer or texts: delete it after changing either.
@@ -129,7 +136,8 @@ def cached_tokens(tokenizer, texts: list[str], path: Path) -> torch.Tensor:
     return torch.from_numpy(arr.astype(np.int64))
 
 
-def sample_batch(tokens: torch.Tensor, batch: int, seq_len: int, gen: torch.Generator):
+def sample_batch(tokens: torch.Tensor, batch: int, seq_len: int,
+                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw ``batch`` random windows of ``seq_len + 1`` tokens; return inputs, targets."""
     starts = torch.randint(0, len(tokens) - seq_len - 1, (batch,), generator=gen)
     idx = starts[:, None] + torch.arange(seq_len + 1)[None, :]
@@ -148,7 +156,7 @@ def eval_windows(tokens: torch.Tensor, seq_len: int, max_windows: int) -> torch.
 # ---------------------------------------------------------------- model / loss
 
 
-def lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor, bf16: bool) -> torch.Tensor:
+def lm_loss(model: PreTrainedModel, inputs: torch.Tensor, targets: torch.Tensor, bf16: bool) -> torch.Tensor:
     """Mean next-token cross entropy, computed in fp32 from (possibly bf16) logits."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         logits = model(input_ids=inputs).logits
@@ -156,7 +164,7 @@ def lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor, bf16: bool) -> t
 
 
 @torch.no_grad()
-def evaluate(model, windows: torch.Tensor, bf16: bool, batch: int = 16) -> float:
+def evaluate(model: PreTrainedModel, windows: torch.Tensor, bf16: bool, batch: int = 16) -> float:
     """Mean next-token loss of ``model`` over evaluation ``windows``."""
     was_training = model.training
     model.eval()
@@ -168,7 +176,7 @@ def evaluate(model, windows: torch.Tensor, bf16: bool, batch: int = 16) -> float
     return total / len(windows)
 
 
-def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not norms)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -204,7 +212,7 @@ def append_log(log_path: Path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def count_parameters(model) -> int:
+def count_parameters(model: torch.nn.Module) -> int:
     """Number of distinct parameters (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters())
 
@@ -228,7 +236,8 @@ def _restore_rng(gen: torch.Generator, rng: dict) -> None:
     np.random.set_state(rng["numpy"])
 
 
-def _load_data(tokenizer, data, out_dir: Path, max_files, texts, heldout_texts):
+def _load_data(tokenizer: PreTrainedTokenizerBase, data: str, out_dir: Path, max_files: int | None,
+               texts: list[str] | None, heldout_texts: list[str] | None) -> tuple[torch.Tensor, torch.Tensor]:
     if texts is None:
         texts = resolve_texts(data, max_files)
     train = cached_tokens(tokenizer, texts, out_dir / "train_tokens.npy")
@@ -250,7 +259,7 @@ def _initial_weights(directory: str | Path, model_config: Qwen3Config) -> dict:
     return start.state_dict()
 
 
-def _save_final(model, tokenizer, out_dir: Path) -> None:
+def _save_final(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:
     final = out_dir / "final"
     if final.exists():
         shutil.rmtree(final)

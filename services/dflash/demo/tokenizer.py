@@ -71,7 +71,7 @@ def build_tokenizer(
     return tokenizer
 
 
-def ensure_tokenizer(out_dir: str | Path, **kwargs) -> Path:
+def ensure_tokenizer(out_dir: str | Path, **kwargs: int | list[str] | None) -> Path:
     """Build the tokenizer in ``out_dir`` unless a saved one is already there."""
     out_dir = Path(out_dir)
     if not (out_dir / "tokenizer.json").is_file():
