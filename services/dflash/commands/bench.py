@@ -41,7 +41,7 @@ class BenchArgs:
     duration_s: float | None  # load mode: a cap per cell; None runs every request
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark DFlash against other decoders (same run, same prompts)",
                        description="Decode the same prompts with every method, interleaved; print a Markdown table "
                                    "and write JSON, results.md and PNG plots. With no --target: the demo pair.")

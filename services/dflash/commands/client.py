@@ -8,7 +8,7 @@ import sys
 from ..errors import DFlashError
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("client", help="stream a generation from a dflash server over gRPC")
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--server", default="127.0.0.1:9000", help="host:port of the server (default 127.0.0.1:9000)")

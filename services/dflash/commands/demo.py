@@ -10,7 +10,7 @@ from pathlib import Path
 from ..demo.build import STAGES  # no torch: the CLI starts fast
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the built-in demo pair", description="Build the built-in demo pair.")
     demo_sub = p.add_subparsers(dest="demo_command", required=True, metavar="ACTION")
     b = demo_sub.add_parser(

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 FORMATS = ("transformers", "dflash")
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
         help="convert a drafter to transformers' DFlash assistant format, or back",

@@ -12,7 +12,7 @@ from ..errors import DFlashError
 from ..params import SamplingParams
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
         help="generate text with speculative decoding",

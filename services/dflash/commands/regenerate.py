@@ -12,7 +12,7 @@ from pathlib import Path
 from ..errors import DFlashError
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "regenerate",
         help="regenerate a dataset's responses with the target itself (drafter training data)",

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from ..service.tls_front import TlsFront
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "tls-front",
         help="terminate TLS on a port and forward every gRPC call to a plaintext server",

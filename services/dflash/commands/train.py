@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from ..training.config import TrainConfig
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
         help="train a DFlash drafter for a target model",

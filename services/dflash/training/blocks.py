@@ -177,7 +177,7 @@ def block_sparse_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> B
     """
     batch, num_anchors = anchors.shape
 
-    def visible(b, h, q, kv):
+    def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         block = q // block_size
         return torch.where(kv < seq_len, kv < anchors[b, block], (kv - seq_len) // block_size == block)
 

@@ -146,12 +146,13 @@ class TrainConfig:
         return None
 
 
-def _positive_int(name: str, value) -> None:
+def _positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise TrainConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
 
 
-def _finite(name: str, value, low: float | None = None, high: float | None = None, low_open: bool = False) -> None:
+def _finite(name: str, value: object, low: float | None = None, high: float | None = None,
+            low_open: bool = False) -> None:
     flag = f"--{name.replace('_', '-')}"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise TrainConfigError(f"{flag} must be a finite number, got {value!r}")

@@ -17,10 +17,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import DFlashError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class DataError(DFlashError):
@@ -76,17 +80,17 @@ def read_records(path: str | Path) -> list[dict]:
     return records
 
 
-def encode(tokenizer, text: str) -> list[int]:
+def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def eval_prompt_ids(path: str | Path, tokenizer, max_length: int) -> list[list[int]]:
+def eval_prompt_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase, max_length: int) -> list[list[int]]:
     """The held-out prompts `dflash train` measures tau on: each prompt's last max_length - 1 tokens, so
     that the anchor fits too."""
     return [prompt_ids(r, tokenizer)[-(max_length - 1):] for r in read_records(path)]
 
 
-def prompt_ids(record: dict, tokenizer) -> list[int]:
+def prompt_ids(record: dict, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The token ids the target is prompted with (what regeneration continues)."""
     if "prompt_ids" in record:
         return [int(t) for t in record["prompt_ids"]]
@@ -99,7 +103,7 @@ def prompt_ids(record: dict, tokenizer) -> list[int]:
                     "use 'prompt' or 'messages'")
 
 
-def response_ids(record: dict, tokenizer) -> list[int]:
+def response_ids(record: dict, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The response tokens of a record (empty when it has none)."""
     if "response_ids" in record:
         return [int(t) for t in record["response_ids"]]
@@ -112,7 +116,7 @@ def response_ids(record: dict, tokenizer) -> list[int]:
     return []
 
 
-def tokenize(record: dict, tokenizer, max_length: int) -> Sample | None:
+def tokenize(record: dict, tokenizer: PreTrainedTokenizerBase, max_length: int) -> Sample | None:
     """Prompt + response, cut to max_length; None when fewer than 2 response tokens remain."""
     if "text" in record and not any(k in record for k in ("prompt", "prompt_ids", "messages")):
         ids = encode(tokenizer, _text(record, "text"))
@@ -126,7 +130,7 @@ def tokenize(record: dict, tokenizer, max_length: int) -> Sample | None:
     return Sample(record["id"], ids, mask)
 
 
-def load_samples(path: str | Path, tokenizer, max_length: int) -> tuple[list[Sample], int]:
+def load_samples(path: str | Path, tokenizer: PreTrainedTokenizerBase, max_length: int) -> tuple[list[Sample], int]:
     """All trainable samples of a JSONL file and the number of records skipped (no response left)."""
     samples = [tokenize(r, tokenizer, max_length) for r in read_records(path)]
     kept = [s for s in samples if s is not None]
@@ -165,7 +169,7 @@ def _text(record: dict, key: str) -> str:
     return value
 
 
-def _split_conversation(record: dict, tokenizer) -> tuple[str, str]:
+def _split_conversation(record: dict, tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:
     """(prompt text, response text): the final assistant turn is the response."""
     messages = record["messages"]
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):

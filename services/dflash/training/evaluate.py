@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..drafter.local import LocalDrafter
 from ..drafter.model import DFlashDraftModel
@@ -12,6 +13,9 @@ from ..loading import eos_ids
 from ..params import SamplingParams
 from ..scheduler import SchedulerConfig
 from ..target import TargetModel
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -29,8 +33,8 @@ class EvalResult:
 
 
 def evaluate_tau(
-    model,
-    tokenizer,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
     drafter: DFlashDraftModel,
     prompts: list[list[int]],
     max_new_tokens: int,

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from safetensors import safe_open
@@ -25,6 +26,9 @@ from tqdm import tqdm
 
 from ..errors import DFlashError
 from .data import Batch, Sample, collate
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SHARD_SIZE = 64
 
@@ -59,7 +63,7 @@ class OnlineFeatures:
     model without a `layers` list, takes the full output_hidden_states path.
     """
 
-    def __init__(self, model, layer_ids: tuple[int, ...], with_last_hidden: bool):
+    def __init__(self, model: PreTrainedModel, layer_ids: tuple[int, ...], with_last_hidden: bool) -> None:
         self.decoder = model.get_decoder()
         self.layer_ids = tuple(layer_ids)
         self.with_last_hidden = with_last_hidden
@@ -83,8 +87,8 @@ class OnlineFeatures:
         captured: dict[int, torch.Tensor] = {}
         deepest = max(self.layer_ids)
 
-        def hook(index: int):
-            def read(module, args, output):
+        def hook(index: int) -> Callable[[torch.nn.Module, tuple, torch.Tensor | tuple], None]:
+            def read(module: torch.nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
                 captured[index] = output[0] if isinstance(output, tuple) else output
                 if index == deepest:
                     raise _StopForward
@@ -109,7 +113,7 @@ class _StopForward(Exception):
 class CachedFeatures:
     """Reads features written by `cache_features`; rows are padded to the batch length with zeros."""
 
-    def __init__(self, directory: str | Path, device: torch.device):
+    def __init__(self, directory: str | Path, device: torch.device) -> None:
         self.directory = Path(directory)
         self.meta = json.loads((self.directory / "meta.json").read_text())
         self.shard_size = self.meta["shard_size"]
@@ -131,7 +135,7 @@ class CachedFeatures:
 
 
 def cache_features(
-    model,
+    model: PreTrainedModel,
     samples: list[Sample],
     directory: str | Path,
     layer_ids: tuple[int, ...],

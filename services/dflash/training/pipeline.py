@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from .features import CachedFeatures, OnlineFeatures, cache_features
 from .regenerate import regenerate
 from .state import STATE_FILE
 from .trainer import Trainer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def train(config: TrainConfig) -> Path:
@@ -66,7 +70,8 @@ def train(config: TrainConfig) -> Path:
     return trainer.fit()
 
 
-def drafter_config_for(config: TrainConfig, model, tokenizer) -> DFlashConfig:
+def drafter_config_for(config: TrainConfig, model: PreTrainedModel,
+                       tokenizer: PreTrainedTokenizerBase) -> DFlashConfig:
     """The new drafter's config, checked against the target (layer ids, mask token)."""
     text = model.config.get_text_config()
     mask_token_id = config.mask_token_id

@@ -13,16 +13,20 @@ from __future__ import annotations
 import json
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
 from .data import DataError, prompt_ids, read_records
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 
 def regenerate(
-    model,
-    tokenizer,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     data_path: str | Path,
     out_path: str | Path,
     *,
@@ -67,7 +71,8 @@ def regenerate(
 
 
 @torch.no_grad()
-def _generate(model, prompts, pad_id, eos, max_new_tokens, temperature, seed) -> list[list[int]]:
+def _generate(model: PreTrainedModel, prompts: list[list[int]], pad_id: int, eos: set[int], max_new_tokens: int,
+              temperature: float, seed: int) -> list[list[int]]:
     length = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
     attn = torch.zeros_like(ids)
@@ -106,7 +111,7 @@ def _written_ids(path: Path) -> set[str]:
     return ids
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     eos = getattr(model.generation_config, "eos_token_id", None)
     ids = set([eos] if isinstance(eos, int) else (eos or []))
     if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -114,7 +119,7 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def _pad_id(tokenizer, model) -> int:
+def _pad_id(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> int:
     for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
                       getattr(model.generation_config, "pad_token_id", None)):
         if candidate is not None:

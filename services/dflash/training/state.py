@@ -33,7 +33,7 @@ def save_state(
     *,
     drafter: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    scheduler,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
     progress: Progress,
     anchor_generator: torch.Generator,
     config: dict,
@@ -77,7 +77,7 @@ def restore_state(
     *,
     drafter: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    scheduler,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
     anchor_generator: torch.Generator,
 ) -> Progress:
     """Load everything `save_state` wrote back into live objects; returns the progress."""

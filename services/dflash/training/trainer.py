@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import get_cosine_schedule_with_warmup
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
 from ..drafter.checkpoint import save_drafter
 from ..drafter.config import DFlashConfig
@@ -96,16 +96,16 @@ class Trainer:
     def __init__(
         self,
         config: TrainConfig,
-        model,
+        model: PreTrainedModel,
         drafter_config: DFlashConfig,
         samples: list[Sample],
         features: FeatureSource,
         *,
-        tokenizer=None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         eval_prompts: list[list[int]] = (),
         pad_id: int = 0,
         init_weights: dict[str, torch.Tensor] | None = None,
-    ):
+    ) -> None:
         self.config = config
         self.model = model
         self.samples = samples
