@@ -41,7 +41,7 @@ class CacheShape:
 class _Slot:
     __slots__ = ("keys", "values", "length", "reserved")
 
-    def __init__(self, reserved: int):
+    def __init__(self, reserved: int) -> None:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length = 0
@@ -51,7 +51,7 @@ class _Slot:
 class KVCache:
     """Per-session key/value buffers under a budget of `budget_tokens` cached positions."""
 
-    def __init__(self, shape: CacheShape, budget_tokens: int, page_tokens: int = 64):
+    def __init__(self, shape: CacheShape, budget_tokens: int, page_tokens: int = 64) -> None:
         if budget_tokens < 1:
             raise DFlashError(f"cache budget: {budget_tokens} tokens; give at least one")
         self.shape = shape
@@ -102,7 +102,9 @@ class KVCache:
         slot = self._slots[session_id]
         slot.length = min(slot.length, length)
 
-    def write(self, layer: int, session_id: str, start: int, keys: torch.Tensor, values: torch.Tensor):
+    def write(
+        self, layer: int, session_id: str, start: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store keys/values [kv_heads, n, head_dim] at positions start..start+n-1 of the session and
         return views of its positions [0, start + n). `start` must not pass the session's length."""
         slot = self._slots[session_id]

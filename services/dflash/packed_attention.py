@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,10 +50,10 @@ class PackedBatch:
         return out
 
     @cached_property  # the same for every layer: built once per forward
-    def _masks(self) -> dict:
+    def _masks(self) -> dict[tuple[int, int | None], torch.Tensor | None]:
         return {}
 
-    def mask(self, i: int, sliding_window: int | None, device) -> torch.Tensor | None:
+    def mask(self, i: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
         """Session i's causal mask (see `causal_mask`), shared by every layer of this forward."""
         key = (i, sliding_window)
         if key not in self._masks:
@@ -63,12 +64,12 @@ class PackedBatch:
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
 
-    def positions(self, device) -> torch.Tensor:
+    def positions(self, device: torch.device) -> torch.Tensor:
         """Absolute positions of the packed row: [1, T]."""
         return torch.cat([torch.arange(s, s + n) for s, n in zip(self.starts, self.num_tokens)]).to(device).unsqueeze(0)
 
 
-def causal_mask(start: int, n: int, sliding_window: int | None, device) -> torch.Tensor | None:
+def causal_mask(start: int, n: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
     """Bool [n, start + n]: query start+i sees keys at positions <= start+i (within the window); None when
     every query sees every key (one query, no window)."""
     if n == 1 and sliding_window is None:
@@ -81,8 +82,18 @@ def causal_mask(start: int, n: int, sliding_window: int | None, device) -> torch
     return mask
 
 
-def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                     dflash_batch: PackedBatch | None = None, **kwargs):
+def packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    dflash_batch: PackedBatch | None = None,
+    **kwargs: Any,  # the rest of what the model's attention passes (is_causal, position_ids, ...), for SDPA
+) -> tuple[torch.Tensor, None]:
     """query [1, heads, T, d], key/value [1, kv_heads, T, d] of the packed row -> ([1, T, heads, d], None)."""
     if dflash_batch is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

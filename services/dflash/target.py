@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,7 @@ class TargetModel:
     is plain SDPA unless a packed batch is passed, so the model still works elsewhere (`generate()`).
     """
 
-    def __init__(self, model: PreTrainedModel, layer_ids: tuple[int, ...] = ()):
+    def __init__(self, model: PreTrainedModel, layer_ids: tuple[int, ...] = ()) -> None:
         self.model = model.eval()
         self.model.set_attn_implementation(packed_attention.IMPLEMENTATION)
         self.layer_ids = tuple(layer_ids)
@@ -105,7 +106,7 @@ class TargetModel:
             row += kept
         return results
 
-    def forward_alone(self, token_ids) -> TargetOutput:
+    def forward_alone(self, token_ids: Iterable[int]) -> TargetOutput:
         """One sequence from position 0 on a throwaway cache: logits and features of every token."""
         ids = tuple(int(t) for t in token_ids)
         cache = self.new_cache(len(ids))

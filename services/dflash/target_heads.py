@@ -16,12 +16,16 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .drafter.checkpoint import resolve_dir
 from .errors import CheckpointError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +58,7 @@ def load_target_heads(path_or_id: str | Path, device: torch.device, dtype: torch
     return TargetHeads(config, *_read_heads(directory, skeleton, device, dtype))
 
 
-def _meta_model(config):
+def _meta_model(config: PretrainedConfig) -> tuple[PreTrainedModel | None, str]:
     """(the architecture on the meta device, "") or (None, why it cannot be built there)."""
     from transformers import AutoModelForCausalLM
 
@@ -65,7 +69,7 @@ def _meta_model(config):
         return None, f"it cannot be built on the meta device ({type(exc).__name__}: {exc})"
 
 
-def _why_not_heads_only(directory: Path, skeleton) -> str:
+def _why_not_heads_only(directory: Path, skeleton: PreTrainedModel) -> str:
     if not (directory / SINGLE).is_file() and not (directory / INDEX).is_file():
         return f"it has neither {SINGLE} nor {INDEX} (not a safetensors checkpoint)"
     # Subclasses may change the forward (Gemma scales its embedding); only the full model has that right.
@@ -77,7 +81,9 @@ def _why_not_heads_only(directory: Path, skeleton) -> str:
     return ""
 
 
-def _read_heads(directory: Path, skeleton, device: torch.device, dtype: torch.dtype | str):
+def _read_heads(
+    directory: Path, skeleton: PreTrainedModel, device: torch.device, dtype: torch.dtype | str
+) -> tuple[nn.Embedding, nn.Linear]:
     """(nn.Embedding, nn.Linear) filled from the checkpoint's tensors of the skeleton's two heads."""
     embed, head = skeleton.get_input_embeddings(), skeleton.get_output_embeddings()
     names = {id(module): name for name, module in skeleton.named_modules()}
@@ -110,7 +116,7 @@ def _from_full_model(directory: Path, device: torch.device, dtype: torch.dtype |
 class _TensorFiles:
     """Where each tensor of a (possibly sharded) safetensors checkpoint lives."""
 
-    def __init__(self, directory: Path, prefix: str):
+    def __init__(self, directory: Path, prefix: str) -> None:
         self.prefix = prefix
         index = directory / INDEX
         if index.is_file():

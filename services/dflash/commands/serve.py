@@ -9,7 +9,7 @@ import sys
 import threading
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
         help="run the gRPC service (Ray Serve verifier + drafters, Redis sessions)",

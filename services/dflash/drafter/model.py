@@ -7,6 +7,7 @@ block tokens with the target's `embed_tokens` and read logits through the target
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -35,7 +36,7 @@ class DraftCache:
     forward. `length` is the number of context positions held.
     """
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
 
@@ -91,7 +92,7 @@ class PackedDraft:
                           zip(self.first_positions, self.cache_starts, self.num_context, self.block_sizes)])
 
 
-def _offsets(counts) -> list[int]:
+def _offsets(counts: Iterable[int]) -> list[int]:
     out, total = [], 0
     for n in counts:
         out.append(total)
@@ -102,7 +103,7 @@ def _offsets(counts) -> list[int]:
 class DFlashAttention(nn.Module):
     """Queries from the block; keys/values from [context features | block], non-causal."""
 
-    def __init__(self, config: DFlashConfig, qwen3: Qwen3Config, layer_idx: int):
+    def __init__(self, config: DFlashConfig, qwen3: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
@@ -128,7 +129,7 @@ class DFlashAttention(nn.Module):
         hidden: torch.Tensor,
         context: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | BlockMask | None,
         cache: DraftCache | None,
     ) -> torch.Tensor:
         n_ctx = context.shape[1]
@@ -156,7 +157,14 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:-1], -1))
 
 
-    def forward_packed(self, hidden, context, rope_blk, rope_ctx, batch: PackedDraft) -> torch.Tensor:
+    def forward_packed(
+        self,
+        hidden: torch.Tensor,
+        context: torch.Tensor,
+        rope_blk: tuple[torch.Tensor, torch.Tensor],
+        rope_ctx: tuple[torch.Tensor, torch.Tensor],
+        batch: PackedDraft,
+    ) -> torch.Tensor:
         """hidden [1, Tq, H] (all sessions' blocks), context [1, Tc, H] (their new context rows).
 
         Each session's new context keys/values are appended to its cache; its block keys/values are
@@ -191,18 +199,32 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config: DFlashConfig, qwen3: Qwen3Config, layer_idx: int):
+    def __init__(self, config: DFlashConfig, qwen3: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = DFlashAttention(config, qwen3, layer_idx)
         self.mlp = Qwen3MLP(qwen3)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden, context, rope, mask, cache):
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        context: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | BlockMask | None,
+        cache: DraftCache | None,
+    ) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, rope, mask, cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
-    def forward_packed(self, hidden, context, rope_blk, rope_ctx, batch: PackedDraft):
+    def forward_packed(
+        self,
+        hidden: torch.Tensor,
+        context: torch.Tensor,
+        rope_blk: tuple[torch.Tensor, torch.Tensor],
+        rope_ctx: tuple[torch.Tensor, torch.Tensor],
+        batch: PackedDraft,
+    ) -> torch.Tensor:
         hidden = hidden + self.self_attn.forward_packed(self.input_layernorm(hidden), context,
                                                         rope_blk, rope_ctx, batch)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -211,7 +233,7 @@ class DFlashDecoderLayer(nn.Module):
 class DFlashDraftModel(nn.Module):
     """The drafter network. One forward drafts every block position at once."""
 
-    def __init__(self, config: DFlashConfig):
+    def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
         self.config = config
         qwen3 = qwen3_config(config)
@@ -227,7 +249,7 @@ class DFlashDraftModel(nn.Module):
         target_hidden: torch.Tensor,
         position_ids: torch.Tensor,
         cache: DraftCache | None = None,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | BlockMask | None = None,
     ) -> torch.Tensor:
         """Draft hidden states for the block tokens.
 
@@ -272,8 +294,10 @@ class DFlashDraftModel(nn.Module):
     def has_sliding_window(self) -> bool:
         return any(layer.self_attn.sliding_window is not None for layer in self.layers)
 
-    def _masks(self, position_ids, num_queries, attention_mask):
-        masks = {None: attention_mask}
+    def _masks(
+        self, position_ids: torch.Tensor, num_queries: int, attention_mask: torch.Tensor | BlockMask | None
+    ) -> dict[int | None, torch.Tensor | BlockMask | None]:
+        masks: dict[int | None, torch.Tensor | BlockMask | None] = {None: attention_mask}
         if isinstance(attention_mask, BlockMask) and self.has_sliding_window:
             raise ValueError("a BlockMask cannot be combined with sliding-window layers; pass a dense mask")
         for window in {layer.self_attn.sliding_window for layer in self.layers} - {None}:
@@ -284,10 +308,10 @@ class DFlashDraftModel(nn.Module):
         return masks
 
 
-_COMPILED_FLEX = None
+_COMPILED_FLEX: Callable[..., torch.Tensor] | None = None
 
 
-def _flex_attention(device: torch.device):
+def _flex_attention(device: torch.device) -> Callable[..., torch.Tensor]:
     """flex_attention, compiled on CUDA (where it skips masked-out tiles); eager elsewhere, which computes
     the same result densely (used by the CPU tests that check the sparse path against the dense one)."""
     global _COMPILED_FLEX

@@ -16,10 +16,10 @@ import dataclasses
 import json
 import os
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import pydantic
 from pydantic import BeforeValidator, ConfigDict, Field, NonNegativeInt, PositiveInt
@@ -28,6 +28,9 @@ from pydantic.dataclasses import dataclass
 from ..errors import DFlashError
 from ..scheduler import SchedulerConfig
 from .autoscaling import POLICY_FUNCTION as DRAFT_LOAD_POLICY
+
+if TYPE_CHECKING:
+    from ray.serve.config import AutoscalingConfig
 
 
 class ConfigError(DFlashError):
@@ -298,7 +301,7 @@ def _known_keys(section: tuple) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-def _ray_autoscaling(where: str, auto: dict | None):
+def _ray_autoscaling(where: str, auto: dict | None) -> AutoscalingConfig | None:
     """Ray Serve's AutoscalingConfig for `auto` (None for none). Serve ignores keys it does not know;
     here they are errors, as is a policy that does not import or rejects its policy_kwargs."""
     if not auto:
@@ -343,7 +346,7 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = ""):
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     for key, value in tree.items():
         if isinstance(value, Mapping) and value:
             yield from _flatten(value, f"{prefix}{key}.")
