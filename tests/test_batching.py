@@ -132,6 +132,53 @@ def test_concurrent_streams_batch_into_shared_steps(pair):
     assert engine.cache.num_sessions == 0
 
 
+def test_stream_interval_sends_fewer_larger_batches_and_the_same_tokens(pair):
+    """With the step loop running, a stream is woken for its first token, then once it has
+    `stream_interval` tokens waiting, and at its end: every batch between holds at least that many,
+    and the tokens are those of interval 1."""
+    target, drafter = pair
+    requests = [(p, SamplingParams(max_new_tokens=40, ignore_eos=True, block_size=b))
+                for p, b in zip(prompts(4, seed=21), (None, 1, 4, None))]
+    got = {}
+    for interval in (1, 6):
+        engine = engine_for(target, drafter, config=SchedulerConfig(verify_policy="full", stream_interval=interval))
+        engine.start_loop()
+        gens = [engine.start(p, params) for p, params in requests]
+        batches: dict[int, list] = {}
+
+        def read(i: int, gen) -> None:
+            batches[i] = list(engine.stream_batches(gen))
+
+        readers = [threading.Thread(target=read, args=(i, g)) for i, g in enumerate(gens)]
+        for g, reader in zip(gens, readers):
+            engine.submit(g)
+            reader.start()
+        for reader in readers:
+            reader.join(120)
+        tokens_of = [[t for batch in batches[i] for r in batch for t in r.token_ids] for i in range(len(gens))]
+        assert tokens_of == [engine_for(target, drafter).run(*r).token_ids for r in requests]
+        got[interval] = [[sum(len(r.token_ids) for r in batch) for batch in batches[i]] for i in range(len(gens))]
+    for sizes in got[6]:  # the first batch holds the first token, the last the end; each between >= 6
+        assert all(n >= 6 for n in sizes[1:-1])
+    assert sum(map(len, got[6])) < sum(map(len, got[1]))
+
+
+def test_a_drafted_rounds_verify_estimate_follows_what_was_verified():
+    """The drafting decision credits a session with the proposals its drafted rounds really verify
+    (the verify policy cuts blocks where confidence falls), not with a whole block."""
+    from dflash.generation import Generation
+
+    gen = Generation.__new__(Generation)
+    gen.verified_ema, gen.drafted_ema = 0.0, 0.0
+    assert gen.verify_estimate(15) == 15  # nothing known yet: the whole block
+    for _ in range(20):
+        gen.verified_ema, gen.drafted_ema = 0.8 * gen.verified_ema + 3, 0.8 * gen.drafted_ema + 1
+    assert gen.verify_estimate(15) == 3 and gen.verify_estimate(2) == 2
+    for _ in range(20):
+        gen.verified_ema, gen.drafted_ema = 0.8 * gen.verified_ema + 0, 0.8 * gen.drafted_ema + 1
+    assert gen.verify_estimate(15) == 1  # never 0: the session can still be explored
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(pair):
     target, drafter = pair
     short = (prompts(1, seed=1)[0], SamplingParams(max_new_tokens=30, ignore_eos=True))

@@ -34,7 +34,7 @@ from .rounds import accept_length, committed_tokens
 from .sampling import sample_tokens
 from .scheduler import Scheduler, SchedulerConfig, StepPlan
 from .stats import GenerationStats, RoundStats
-from .target import ForwardItem, TargetModel
+from .target import ForwardItem, TargetModel, TargetOutput
 from .verify_policy import AdaptivePolicy, CostCurve, acceptance_rate, measure_target_cost
 
 log = logging.getLogger(__name__)
@@ -191,6 +191,11 @@ class SpeculativeEngine:
         them instead of a queue of small ones)."""
         try:
             while True:
+                if self._loop is not None:  # the loop wakes this stream when its output is worth sending
+                    gen.wakeup.wait()
+                    gen.wakeup.clear()
+                    if not gen.worth_streaming(self.config.stream_interval):
+                        continue
                 if gen.outbox:
                     rounds = []
                     while gen.outbox and (not rounds or rounds[-1].finish_reason is None):
@@ -202,11 +207,7 @@ class SpeculativeEngine:
                     raise gen.error
                 elif gen.cancelled:
                     return
-                elif self._loop is not None:
-                    gen.wakeup.clear()
-                    if not (gen.outbox or gen.done):
-                        gen.wakeup.wait()
-                else:
+                elif self._loop is None:
                     self.step(waiter=gen)
         finally:
             if not gen.finished:
@@ -265,7 +266,8 @@ class SpeculativeEngine:
                 for gen in plan.decodes + [g for g, _ in plan.prefills]:
                     gen.error = exc
             for gen in plan.decodes + [g for g, _ in plan.prefills]:
-                gen.wakeup.set()
+                if gen.worth_streaming(self.config.stream_interval):
+                    gen.wakeup.set()
             self._retire_done()
             return True
 
@@ -294,8 +296,8 @@ class SpeculativeEngine:
             self.policy.step_ran(t0, draft_ms, num_tokens, num_sessions)
         report = StepReport(start_ns, 0, draft_ms, verify_ms, num_tokens,
                             verify_lengths=lengths, prefill_tokens=prefill_tokens)
-        for gen, draft, tokens, out in zip(plan.decodes, drafts, verified, outs):
-            round_out = self._verify_round(gen, tokens, out, draft_ms, verify_ms, draft.replica)
+        for gen, size, draft, tokens, out in zip(plan.decodes, sizes, drafts, verified, outs):
+            round_out = self._verify_round(gen, tokens, out, draft_ms, verify_ms, draft.replica, size > 1)
             report.rounds.append((gen, round_out))
         for (gen, n), out in zip(plan.prefills, outs[len(plan.decodes):]):
             round_out = self._prefill_chunk(gen, n, out, verify_ms)
@@ -362,7 +364,8 @@ class SpeculativeEngine:
         if self.policy is None:
             return sizes
         rates = [acceptance_rate(g.accepted_ema, g.rejected_ema) for g in decodes]
-        drafted = self.policy.drafted(rates, [s - 1 for s in sizes], [g.steps_since_draft for g in decodes],
+        most = [g.verify_estimate(s - 1) if s > 1 else 0 for g, s in zip(decodes, sizes)]
+        drafted = self.policy.drafted(rates, most, [g.steps_since_draft for g in decodes],
                                       base_tokens, overhead_ms)
         for g, d in zip(decodes, drafted):
             g.steps_since_draft = 0 if d else g.steps_since_draft + 1
@@ -373,14 +376,17 @@ class SpeculativeEngine:
             return [d.tokens.shape[0] for d in drafts]
         return self.policy.verify_lengths([d.probs for d in drafts], base_tokens, fixed_ms)
 
-    def _verify_round(self, gen: Generation, draft: torch.Tensor, out, draft_ms: float, verify_ms: float,
-                      drafter: str) -> RoundOutput:
+    def _verify_round(self, gen: Generation, draft: torch.Tensor, out: TargetOutput, draft_ms: float,
+                      verify_ms: float, drafter: str, drafted: bool) -> RoundOutput:
         """Accept the agreed prefix of the draft plus the bonus token; keep the cache up to it."""
         posterior = sample_tokens(out.logits, gen.params, gen.seed, gen.position + 1).cpu()
         accepted = accept_length(draft, posterior)
         new_tokens = committed_tokens(draft, posterior, accepted)
         self.cache.crop(gen.request_id, gen.position + accepted + 1)
-        if len(draft):  # the session's acceptance rate, for the next rounds' decisions
+        if drafted:  # what drafting this session is worth, for the next rounds' decisions
+            gen.verified_ema = ACCEPT_DECAY * gen.verified_ema + len(draft)
+            gen.drafted_ema = ACCEPT_DECAY * gen.drafted_ema + 1
+        if len(draft):  # the session's acceptance rate
             gen.accepted_ema = ACCEPT_DECAY * gen.accepted_ema + accepted
             gen.rejected_ema = ACCEPT_DECAY * gen.rejected_ema + (accepted < len(draft))
         if gen.block_size > 1:

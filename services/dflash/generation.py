@@ -75,6 +75,9 @@ class Generation:
     accepted_ema: float = 2.0
     rejected_ema: float = 1.0
     """Decayed counts of accepted proposals and of rejections: the session's acceptance rate (a prior of 2/3)."""
+    verified_ema: float = 0.0
+    drafted_ema: float = 0.0
+    """Decayed counts of proposals verified and of rounds drafted: how much of a block a drafted round verifies."""
     session_id: str | None = None
     """The stored session this request commits its rounds to (journal.py); None: not stored. Distinct
     from request_id, which keys the caches: a resume may run while the stream it replaces still does."""
@@ -112,6 +115,27 @@ class Generation:
     def done(self) -> bool:
         """Nothing more will be computed for it: finished, cancelled or failed."""
         return self.finished or self.cancelled or self.error is not None
+
+    def worth_streaming(self, interval: int) -> bool:
+        """Is what the outbox holds worth a message now? Its first token, its end and an error are; other
+        rounds once they add up to `interval` tokens (the engine's stream_interval)."""
+        if interval <= 1 or self.done:
+            return True
+        waiting = 0
+        for out in self.outbox:
+            if out.stats.index == 0 or out.finish_reason is not None:
+                return True
+            waiting += len(out.token_ids)
+        return waiting >= interval
+
+    def verify_estimate(self, most: int) -> int:
+        """Proposals a drafted round of this session verifies, as its recent drafted rounds did (at least
+        1; `most` before any). The verify policy cuts a block where the drafter's confidence falls, so the
+        tokens verified are the likely ones: the acceptance rate measured on them holds for this many, not
+        for the whole block."""
+        if not self.drafted_ema:
+            return most
+        return max(1, min(most, round(self.verified_ema / self.drafted_ema)))
 
     def emit(self, max_positions: int, new_tokens: list[int], stats: RoundStats) -> RoundOutput:
         """Commit what a round accepted, as far as stops, max_new_tokens and the context allow; the round

@@ -32,7 +32,10 @@ class SchedulerConfig:
     cache_tokens: positions the target KV cache may hold over all sessions; a session reserves
     prompt + max_new_tokens + one block of them when admitted. verify_policy: "adaptive" picks each
     session's verify length per step from the drafter's confidence and the measured cost curve;
-    "full" verifies every proposal (what a batch-1 engine does).
+    "full" verifies every proposal (what a batch-1 engine does). stream_interval: with the step loop
+    running (a server), a stream is woken once its request has at least this many new tokens (or its
+    first token, or its end): fewer, larger messages per stream, like SGLang's --stream-interval; 1 wakes
+    it every step.
     """
 
     max_running: int = 16
@@ -40,9 +43,10 @@ class SchedulerConfig:
     max_queued: int = 256
     cache_tokens: int = 1 << 16
     verify_policy: str = "adaptive"
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "max_step_tokens", "max_queued", "cache_tokens"):
+        for name in ("max_running", "max_step_tokens", "max_queued", "cache_tokens", "stream_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DFlashError(f"scheduler.{name}: {value!r} is not a positive integer")

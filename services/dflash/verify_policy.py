@@ -11,7 +11,6 @@ proposal is verified, with a steep one (a CPU, a big batch) few or none are.
 from __future__ import annotations
 
 import bisect
-import heapq
 import logging
 import time
 from collections import deque
@@ -96,23 +95,31 @@ def choose_verify_lengths(probs: Sequence[torch.Tensor], base_tokens: int, cost:
     proposals to verify, given that the step already packs `base_tokens` tokens (one per decoding
     session plus any prefill chunks) and costs `fixed_ms` besides the target forward (drafting, and
     the per-round work of the engine and of the service around it, which verifying more does not add to)."""
-    lengths = [0] * len(probs)
     gains = [torch.cumprod(p.double(), 0).tolist() if p.numel() else [] for p in probs]
-    expected = float(len(probs))  # each decoding session commits at least its bonus token
+    return _verify_lengths(_best_first(gains), len(probs), base_tokens, cost, fixed_ms)[0]
+
+
+def _best_first(gains: Sequence[Sequence[float]]) -> list[tuple[float, int]]:
+    """Every proposal as (-expected gain, session), best first. A session's gains never increase along
+    its block (a running product of probabilities), so this order verifies each session's proposals
+    from its first on: it is the order of adding them one at a time, always the best next one."""
+    return sorted((-g, i) for i, session in enumerate(gains) for g in session)
+
+
+def _verify_lengths(best_first: Sequence[tuple[float, int]], num_sessions: int, base_tokens: int, cost: CostCurve,
+                    fixed_ms: float) -> tuple[list[int], float]:
+    """Take proposals best first while one more raises the step's expected tokens per millisecond;
+    each decoding session commits at least its bonus token. -> (lengths, expected gain over plain decoding)."""
+    lengths = [0] * num_sessions
+    expected = float(num_sessions)
     n = base_tokens
-    heap = [(-g[0], i) for i, g in enumerate(gains) if g]
-    heapq.heapify(heap)
-    while heap:
-        neg_gain, i = heapq.heappop(heap)
-        gain = -neg_gain
-        if (expected + gain) * (cost(n) + fixed_ms) <= expected * (cost(n + 1) + fixed_ms):
+    for neg_gain, i in best_first:
+        if (expected - neg_gain) * (cost(n) + fixed_ms) <= expected * (cost(n + 1) + fixed_ms):
             break  # the best remaining proposal no longer pays for the time it adds
-        expected += gain
+        expected -= neg_gain
         n += 1
         lengths[i] += 1
-        if lengths[i] < len(gains[i]):
-            heapq.heappush(heap, (-gains[i][lengths[i]], i))
-    return lengths
+    return lengths, expected - num_sessions
 
 
 class DraftCost:
@@ -158,15 +165,18 @@ def choose_drafted(rates: Sequence[float], max_drafts: Sequence[int], base_token
     rates: each session's per-token acceptance chance; max_drafts: the most proposals it may verify
     (0 where it cannot draft). Expected tokens use the geometric model: k proposals give
     sum_{j<=k} rate^j more than plain decoding. fixed_ms: see `choose_verify_lengths`.
+    Plain floats, no tensors: this runs before every step, for every session.
     """
     order = sorted((i for i, m in enumerate(max_drafts) if m > 0), key=lambda i: -rates[i])
     best, best_rate = 0, len(rates) / (cost(base_tokens) + fixed_ms)
-    for m in range(1, len(order) + 1):
-        chosen = order[:m]
-        probs = [torch.full((max_drafts[i],), rates[i]) for i in chosen]
-        lengths = choose_verify_lengths(probs, base_tokens, cost, fixed_ms + draft_cost(m))
-        gain = sum(float(torch.cumprod(p, 0)[:k].sum()) for p, k in zip(probs, lengths) if k)
-        rate = (len(rates) + gain) / (cost(base_tokens + sum(lengths)) + draft_cost(m) + fixed_ms)
+    proposals: list[tuple[float, int]] = []  # the first m sessions' proposals, best first
+    for m, i in enumerate(order, start=1):
+        gain = 1.0
+        for _ in range(max_drafts[i]):
+            gain *= rates[i]
+            bisect.insort(proposals, (-gain, i))
+        lengths, gained = _verify_lengths(proposals, len(rates), base_tokens, cost, fixed_ms + draft_cost(m))
+        rate = (len(rates) + gained) / (cost(base_tokens + sum(lengths)) + draft_cost(m) + fixed_ms)
         if rate > best_rate:
             best, best_rate = m, rate
     drafted = set(order[:best])
