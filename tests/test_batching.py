@@ -146,7 +146,7 @@ def test_stream_interval_sends_fewer_larger_batches_and_the_same_tokens(pair):
         gens = [engine.start(p, params) for p, params in requests]
         batches: dict[int, list] = {}
 
-        def read(i: int, gen) -> None:
+        def read(i: int, gen, engine=engine, batches=batches) -> None:
             batches[i] = list(engine.stream_batches(gen))
 
         readers = [threading.Thread(target=read, args=(i, g)) for i, g in enumerate(gens)]

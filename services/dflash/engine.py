@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -36,6 +36,9 @@ from .scheduler import Scheduler, SchedulerConfig, StepPlan
 from .stats import GenerationStats, RoundStats
 from .target import ForwardItem, TargetModel, TargetOutput
 from .verify_policy import AdaptivePolicy, CostCurve, acceptance_rate, measure_target_cost
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 ACCEPT_DECAY = 0.8  # per round: a session's acceptance estimate follows the last ~5 rounds
@@ -84,13 +87,13 @@ class SpeculativeEngine:
         self,
         target: TargetModel,
         drafter: Drafter | None = None,
-        tokenizer=None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         eos_token_ids: Iterable[int] = (),
         config: SchedulerConfig = SchedulerConfig(),
         cost_curve: CostCurve | None = None,
         observer: StepObserver | None = None,
         journal: RoundJournal | None = None,
-    ):
+    ) -> None:
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -394,7 +397,7 @@ class SpeculativeEngine:
         stats = RoundStats(gen.num_rounds + 1, len(draft), accepted, accepted + 1, 0, draft_ms, verify_ms, drafter)
         return gen.emit(self.target.max_positions, new_tokens, stats)
 
-    def _prefill_chunk(self, gen: Generation, n: int, out, verify_ms: float) -> RoundOutput | None:
+    def _prefill_chunk(self, gen: Generation, n: int, out: TargetOutput, verify_ms: float) -> RoundOutput | None:
         """A chunk of the prompt is in the cache; after the last one, sample the first token.
 
         A resumed request (output_ids already committed) re-prefills prompt + committed tokens but

@@ -68,7 +68,7 @@ class StepPlan:
 class Scheduler:
     """Owns the waiting queue and the running set of one engine; not thread-safe (the engine locks)."""
 
-    def __init__(self, config: SchedulerConfig, cache: KVCache, block_size: int = 1):
+    def __init__(self, config: SchedulerConfig, cache: KVCache, block_size: int = 1) -> None:
         self.config = config
         self.cache = cache
         self.block_size = block_size

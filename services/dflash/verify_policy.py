@@ -131,7 +131,7 @@ class DraftCost:
     lone session's cost, extrapolated linearly, looked prohibitive (a batched drafter forward costs far
     less than one per session)."""
 
-    def __init__(self, window: int = 5):
+    def __init__(self, window: int = 5) -> None:
         self.window = window
         self._ms: dict[int, deque[float]] = {}
 
@@ -195,7 +195,7 @@ class StepCalibration:
     costs, the more a round that commits several tokens is worth.
     """
 
-    def __init__(self, window: int = 32):
+    def __init__(self, window: int = 32) -> None:
         self._overhead: deque[float] = deque(maxlen=window)
         self._last: tuple[float, float, int] | None = None  # (start, predicted busy ms, sessions) of the last step
 
@@ -237,7 +237,7 @@ class AdaptivePolicy:
     the per-round overhead learned from the steps (`StepCalibration`). The engine tells it what each step
     did; the decisions are the pure functions above."""
 
-    def __init__(self, cost_curve: CostCurve):
+    def __init__(self, cost_curve: CostCurve) -> None:
         self.cost_curve = cost_curve
         self.draft_cost = DraftCost()
         self.calibration = StepCalibration()
