@@ -15,7 +15,14 @@ from dflash.errors import InvalidRequestError
 from dflash.loading import build_engine
 from dflash.params import SamplingParams
 from dflash.scheduler import QueueFullError, SchedulerConfig
-from dflash.verify_policy import CostCurve, DraftCost, StepCalibration, choose_drafted, choose_verify_lengths
+from dflash.verify_policy import (
+    CostCurve,
+    DraftCost,
+    StepCalibration,
+    choose_drafted,
+    choose_verify_lengths,
+    fit_step_time,
+)
 from tiny import char_tokenizer, engine_for, prompts, tiny_drafter, tiny_target
 
 
@@ -246,7 +253,7 @@ def test_cost_curve_interpolates_and_never_decreases():
     assert curve(1) == 2.0 and curve(10) == pytest.approx(3.5) and curve(32) == pytest.approx(9.0)
 
 
-def test_draft_cost_keeps_the_fastest_recent_call_per_bucket():
+def test_draft_cost_keeps_the_median_recent_call_per_bucket():
     cost = DraftCost(window=3)
     assert cost(4) == 0.0  # nothing timed yet: drafting is assumed free until it has been measured
     cost.observe(1, 20.0)  # a first call's warm-up
@@ -308,3 +315,15 @@ def test_step_calibration_learns_the_time_outside_draft_and_forward():
     cal.idle()  # an idle wait is not a step's period
     cal.step_started(start + 10.0)
     assert cal.round_overhead_ms == pytest.approx(2.0)
+    assert cal.forward_scale == 1.0  # every step alike: the excess cannot be told apart, it counts per round
+
+
+def test_step_time_is_split_between_a_slower_forward_and_a_cost_per_round():
+    """A forward running 1.5x slower than its start-up curve (the cores are shared) is charged to the
+    forward, in proportion to its size, not to the rounds: else a busy CPU would look like a reason to
+    verify more per round."""
+    steps = [(f, 1.5 * f + 1.0 * s, s) for f, s in ((6.0, 8), (12.0, 8), (9.0, 4), (20.0, 2), (7.0, 16))]
+    scale, per_round = fit_step_time(steps)
+    assert scale == pytest.approx(1.5) and per_round == pytest.approx(1.0)
+    assert fit_step_time([(f, 2.0 * f, s) for f, _, s in steps]) == pytest.approx((2.0, 0.0))
+    assert fit_step_time([(f, 0.1 * f, s) for f, _, s in steps])[0] == 0.5  # kept within [0.5, 4]

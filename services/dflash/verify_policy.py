@@ -124,12 +124,12 @@ def _verify_lengths(best_first: Sequence[tuple[float, int]], num_sessions: int, 
 
 class DraftCost:
     """Milliseconds of one drafter call against the sessions it drafts, learned from the calls made
-    (local or remote alike): per power-of-two bucket, the fastest of the last few calls (a first call's
-    warm-up or a stall only ever adds time), interpolated; 0 before any call, so sessions draft until
-    the first calls have been timed. Past the largest bucket timed, the cost is taken as that bucket's
-    (optimistic): one batched call is then tried and timed, instead of never drafting a batch because a
-    lone session's cost, extrapolated linearly, looked prohibitive (a batched drafter forward costs far
-    less than one per session)."""
+    (local or remote alike): per power-of-two bucket, the median of the last few calls (one warm-up or
+    stall does not move it; the fastest would be optimistic where the cores are shared), interpolated;
+    0 before any call, so sessions draft until the first calls have been timed. Past the largest bucket
+    timed, the cost is taken as that bucket's (optimistic): one batched call is then tried and timed,
+    instead of never drafting a batch because a lone session's cost, extrapolated linearly, looked
+    prohibitive (a batched drafter forward costs far less than one per session)."""
 
     def __init__(self, window: int = 5) -> None:
         self.window = window
@@ -145,7 +145,7 @@ class DraftCost:
     def __call__(self, sessions: int) -> float:
         if sessions < 1 or not self._ms:
             return 0.0
-        points = sorted((x, min(ys)) for x, ys in self._ms.items())
+        points = sorted((x, _median(ys, 0.0)) for x, ys in self._ms.items())
         if sessions >= points[-1][0]:
             return points[-1][1]
         return CostCurve(tuple(x for x, _ in points), tuple(y for _, y in points))(sessions)
@@ -184,48 +184,86 @@ def choose_drafted(rates: Sequence[float], max_drafts: Sequence[int], base_token
 
 
 class StepCalibration:
-    """What the start-up cost curve does not know, learned from the steps run: the time each step takes
-    beyond drafting and the forward the curve predicts, per session in the step. That is sampling,
-    committing and streaming each round, and in a service the store write and the hops to the client,
-    which on a CPU compete for the cores the forward runs on (so they also slow the forward down: that
-    slowdown is counted here too, as it comes with the rounds, not with the tokens verified). The
-    median of the last `window` steps, so one stall does not move it.
+    """What the start-up cost curve does not know, learned from the steps run. Each step's time beyond
+    drafting is fitted (least squares over the last `window` steps) as
 
-    It matters to the policy because it is paid per round, whatever the round verifies: the more it
-    costs, the more a round that commits several tokens is worth.
+        scale * forward the curve predicts  +  overhead per round * sessions in the step
+
+    `forward_scale`: how much slower (or faster) the forward runs now than when the curve was measured:
+    on a CPU the rest of the service competes for the cores the forward runs on, which slows the forward
+    in proportion to its size. `round_overhead_ms`: what each round costs whatever it verifies: sampling,
+    committing and streaming it, and in a service the store write and the hops to the client.
+
+    The two pull the policy opposite ways (a slower forward makes verified tokens dearer, a costly round
+    makes rounds that commit several tokens worth more), so each must be charged where it belongs. When
+    the steps do not tell them apart (every step the same shape), the scale stays 1 and the whole excess
+    counts per round.
     """
 
     def __init__(self, window: int = 32) -> None:
-        self._overhead: deque[float] = deque(maxlen=window)
-        self._last: tuple[float, float, int] | None = None  # (start, predicted busy ms, sessions) of the last step
+        self._steps: deque[tuple[float, float, int]] = deque(maxlen=window)  # (forward predicted, ms, sessions)
+        self._last: tuple[float, float, float, int] | None = None  # (start, draft ms, forward predicted, sessions)
+        self._fit: tuple[float, float] | None = (1.0, 0.0)
 
     def step_started(self, now: float) -> None:
         """At a step's start (perf_counter seconds): the previous step's period is now known."""
         if self._last is not None:
-            start, busy_ms, sessions = self._last
-            period_ms = (now - start) * 1000
-            self._overhead.append(max(period_ms - busy_ms, 0.0) / sessions)
+            start, draft_ms, forward_ms, sessions = self._last
+            self._steps.append((forward_ms, max((now - start) * 1000 - draft_ms, 0.0), sessions))
+            self._fit = None
         self._last = None
 
     def step_ran(self, start: float, draft_ms: float, predicted_verify_ms: float, sessions: int) -> None:
         """After a step's forward: its drafting time as measured, its forward as the curve predicts it."""
-        self._last = (start, draft_ms + predicted_verify_ms, sessions) if sessions else None
+        self._last = (start, draft_ms, predicted_verify_ms, sessions) if sessions else None
 
     def idle(self) -> None:
         """The engine waited for work: the next step's period says nothing about the steps."""
         self._last = None
 
     @property
+    def forward_scale(self) -> float:
+        return self._fitted()[0]
+
+    @property
     def round_overhead_ms(self) -> float:
-        """Milliseconds per session per step beyond drafting and the curve's forward time."""
-        return _median(self._overhead, 0.0)
+        """Milliseconds per session per step beyond drafting and the (scaled) forward."""
+        return self._fitted()[1]
+
+    def _fitted(self) -> tuple[float, float]:
+        if self._fit is None:
+            self._fit = fit_step_time(self._steps)
+        return self._fit
+
+
+def fit_step_time(steps: Sequence[tuple[float, float, int]]) -> tuple[float, float]:
+    """(scale, per-session ms) fitting ms ~ scale * forward + per_session * sessions by least squares, the
+    scale kept within [0.5, 4] and the per-session cost >= 0; (1, median excess per session) when the
+    steps are too alike to separate the two."""
+    if not steps:
+        return 1.0, 0.0
+    ff = sum(f * f for f, _, _ in steps)
+    fs = sum(f * s for f, _, s in steps)
+    ss = sum(s * s for _, _, s in steps)
+    fy = sum(f * y for f, y, _ in steps)
+    sy = sum(s * y for _, y, s in steps)
+    det = ff * ss - fs * fs
+    if len(steps) >= 4 and det > 1e-3 * ff * ss:
+        scale = min(max((fy * ss - fs * sy) / det, 0.5), 4.0)
+        per_session = (sy - scale * fs) / ss
+        if per_session >= 0:
+            return scale, per_session
+        return min(max(fy / ff, 0.5), 4.0), 0.0
+    excess = deque(max(y - f, 0.0) / s for f, y, s in steps)
+    return 1.0, _median(excess, 0.0)
 
 
 def _median(values: deque[float], default: float) -> float:
+    """The median (the lower middle value of an even count); `default` when there are none."""
     if not values:
         return default
     ordered = sorted(values)
-    return ordered[len(ordered) // 2]
+    return ordered[(len(ordered) - 1) // 2]
 
 
 EXPLORE_EVERY = 8  # steps without any draft before one session drafts again (cost and acceptance move)
@@ -253,7 +291,7 @@ class AdaptivePolicy:
         """`choose_drafted`, and when nobody has drafted for EXPLORE_EVERY steps, the session that waited
         longest (`waited`: steps since each last drafted) drafts once, so its acceptance estimate and the
         drafter's cost stay current (a small, bounded price)."""
-        drafted = choose_drafted(rates, max_drafts, base_tokens, self.cost_curve, self.draft_cost, overhead_ms)
+        drafted = choose_drafted(rates, max_drafts, base_tokens, self._curve(), self.draft_cost, overhead_ms)
         self._steps_without_draft = 0 if any(drafted) else self._steps_without_draft + 1
         if self._steps_without_draft >= EXPLORE_EVERY:
             self._steps_without_draft = 0
@@ -266,10 +304,17 @@ class AdaptivePolicy:
         self.draft_cost.observe(sessions, ms)
 
     def verify_lengths(self, probs: Sequence[torch.Tensor], base_tokens: int, fixed_ms: float) -> list[int]:
-        return choose_verify_lengths(probs, base_tokens, self.cost_curve, fixed_ms)
+        return choose_verify_lengths(probs, base_tokens, self._curve(), fixed_ms)
 
     def step_ran(self, start: float, draft_ms: float, num_tokens: int, num_sessions: int) -> None:
         self.calibration.step_ran(start, draft_ms, self.cost_curve(num_tokens), num_sessions)
 
     def idle(self) -> None:
         self.calibration.idle()
+
+    def _curve(self) -> CostCurve:
+        """The start-up curve at the speed the forward runs now (`StepCalibration.forward_scale`)."""
+        scale = self.calibration.forward_scale
+        if scale == 1.0:
+            return self.cost_curve
+        return CostCurve(self.cost_curve.tokens, tuple(m * scale for m in self.cost_curve.ms))
