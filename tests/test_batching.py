@@ -302,6 +302,21 @@ def test_per_round_overhead_makes_rounds_that_commit_more_worth_more():
     assert all(choose_drafted([0.7] * 4, [15] * 4, 4, steep, drafter, fixed_ms=4 * 10.0))
 
 
+def test_explorations_back_off_while_drafting_does_not_pay():
+    """Where speculation does not pay (a steep forward), one session drafts after 8 steps without any,
+    then after 16, 32 and 64: the explorations' cost shrinks; once drafting pays it is every 8 again."""
+    from dflash.verify_policy import AdaptivePolicy
+
+    policy = AdaptivePolicy(CostCurve((1, 2, 64), (10.0, 20.0, 640.0)))
+    explored = [step for step in range(1, 260)
+                if any(policy.drafted([0.7, 0.7], [15, 15], [step, 0], 2, 0.0))]
+    assert explored == [8, 24, 56, 120, 184, 248]
+    policy.cost_curve = CostCurve.flat()  # now every proposal pays
+    assert all(policy.drafted([0.7, 0.7], [15, 15], [0, 0], 2, 0.0))
+    policy.cost_curve = CostCurve((1, 2, 64), (10.0, 20.0, 640.0))
+    assert [s for s in range(1, 30) if any(policy.drafted([0.7, 0.7], [15, 15], [s, 0], 2, 0.0))] == [8, 24]
+
+
 def test_step_calibration_learns_the_time_outside_draft_and_forward():
     cal = StepCalibration(window=5)
     assert cal.round_overhead_ms == 0.0

@@ -267,6 +267,7 @@ def _median(values: deque[float], default: float) -> float:
 
 
 EXPLORE_EVERY = 8  # steps without any draft before one session drafts again (cost and acceptance move)
+EXPLORE_AT_MOST_EVERY = 64  # ... doubling up to this while the explorations do not make drafting pay
 
 
 class AdaptivePolicy:
@@ -280,6 +281,7 @@ class AdaptivePolicy:
         self.draft_cost = DraftCost()
         self.calibration = StepCalibration()
         self._steps_without_draft = 0
+        self._explore_every = EXPLORE_EVERY
 
     def overhead_ms(self, now: float, num_sessions: int) -> float:
         """At a step's start: the time this step will cost beyond drafting and the forward."""
@@ -288,16 +290,22 @@ class AdaptivePolicy:
 
     def drafted(self, rates: Sequence[float], max_drafts: Sequence[int], waited: Sequence[int], base_tokens: int,
                 overhead_ms: float) -> list[bool]:
-        """`choose_drafted`, and when nobody has drafted for EXPLORE_EVERY steps, the session that waited
-        longest (`waited`: steps since each last drafted) drafts once, so its acceptance estimate and the
-        drafter's cost stay current (a small, bounded price)."""
+        """`choose_drafted`, and when nobody has drafted for a while, the session that waited longest
+        (`waited`: steps since each last drafted) drafts once, so its acceptance estimate and the drafter's
+        cost stay current. The while is EXPLORE_EVERY steps, doubled (up to EXPLORE_AT_MOST_EVERY) after
+        each exploration that still leaves drafting unpaid: a batch where speculation does not pay keeps
+        paying for the explorations only rarely."""
         drafted = choose_drafted(rates, max_drafts, base_tokens, self._curve(), self.draft_cost, overhead_ms)
-        self._steps_without_draft = 0 if any(drafted) else self._steps_without_draft + 1
-        if self._steps_without_draft >= EXPLORE_EVERY:
-            self._steps_without_draft = 0
+        if any(drafted):
+            self._steps_without_draft, self._explore_every = 0, EXPLORE_EVERY
+            return drafted
+        self._steps_without_draft += 1
+        if self._steps_without_draft >= self._explore_every:
             candidates = [i for i, m in enumerate(max_drafts) if m > 0]
             if candidates:
                 drafted[max(candidates, key=lambda i: waited[i])] = True
+                self._steps_without_draft = 0
+                self._explore_every = min(2 * self._explore_every, EXPLORE_AT_MOST_EVERY)
         return drafted
 
     def drafter_ran(self, sessions: int, ms: float) -> None:
