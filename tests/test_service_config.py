@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from dflash.cli import main
+from dflash.cli import build_parser, main
+from dflash.commands.serve import service_config
 from dflash.service.config import ConfigError, DrafterNetConfig, ServiceConfig, load_config
 
 
@@ -94,3 +95,15 @@ def test_serve_prints_a_config_error_as_one_line(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err == (f"dflash: error: verifier.max_ongoing_requests: Input should be a valid integer, unable to "
                    f"parse string as an integer, got 'lots' (from {path})\n")
+
+
+def test_serve_flags_set_the_scheduler(monkeypatch):
+    monkeypatch.delenv("DFLASH_CONFIG", raising=False)
+    monkeypatch.setenv("DFLASH_SCHEDULER__STREAM_INTERVAL", "4")
+    args = build_parser().parse_args(["serve", "--verify-policy", "full"])
+    assert service_config(args).scheduler.stream_interval == 4  # the environment, no flag
+    args = build_parser().parse_args(["serve", "--stream-interval", "8", "--verify-policy", "full"])
+    scheduler = service_config(args).scheduler
+    assert (scheduler.stream_interval, scheduler.verify_policy) == (8, "full")
+    with pytest.raises(ConfigError, match="scheduler.stream_interval"):
+        service_config(build_parser().parse_args(["serve", "--stream-interval", "0"]))

@@ -7,6 +7,10 @@ import logging
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..service.config import ServiceConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,25 +35,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-cert", help="PEM certificate chain: serve the public port over TLS (with --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    p.add_argument("--stream-interval", type=int,
+                   help="tokens a stream collects before they are sent (first token and end at once; default 1)")
+    p.add_argument("--verify-policy", choices=("adaptive", "full"),
+                   help="adaptive: verify what pays at this batch on this device (default); full: every proposal")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for local Ray (default: all)")
     p.set_defaults(handler=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def service_config(args: argparse.Namespace) -> ServiceConfig:
+    """--config YAML (or $DFLASH_CONFIG) < DFLASH_* environment < these flags; ConfigError names the key."""
     import os
 
     from ..service.config import load_config
-    from ..service.launcher import start_local
-    from ..service.messages import redact_credentials
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    config = load_config(args.config or os.environ.get("DFLASH_CONFIG"), overrides={
+    return load_config(args.config or os.environ.get("DFLASH_CONFIG"), overrides={
         "model.target": args.target, "model.drafter": args.drafter, "model.device": args.device,
         "mode": args.mode, "grpc_host": args.host, "grpc_port": args.port, "redis.url": args.redis_url,
         "drafter.num_replicas": args.drafter_replicas, "tls.cert_file": args.tls_cert,
         "tls.key_file": args.tls_key, "tls.client_ca_file": args.tls_client_ca,
+        "scheduler.stream_interval": args.stream_interval, "scheduler.verify_policy": args.verify_policy,
     })
-    service = start_local(config, num_cpus=args.num_cpus)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..service.launcher import start_local
+    from ..service.messages import redact_credentials
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    service = start_local(service_config(args), num_cpus=args.num_cpus)
     tls = " over TLS" if service.config.tls.enabled else ""
     print(f"dflash: serving dflash.v1.Generation on {service.address}{tls} ({service.config.mode}, "
           f"sessions in {redact_credentials(service.config.redis.url)}); Ctrl-C stops", file=sys.stderr, flush=True)
