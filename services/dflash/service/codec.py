@@ -28,12 +28,6 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def to_proto(tensor: torch.Tensor) -> drafter_pb2.Tensor:
-    if tensor.dtype not in NAMES:
-        raise CodecError(f"dtype {tensor.dtype} has no wire name")
-    return drafter_pb2.Tensor(dtype=NAMES[tensor.dtype], shape=list(tensor.shape), data=tensor_bytes(tensor))
-
-
 def from_parts(dtype: str, shape: Iterable[int], data: bytes) -> torch.Tensor:
     """CodecError, never anything else, for parts that do not make a tensor (the caller's bytes)."""
     if dtype not in DTYPES:
@@ -53,10 +47,6 @@ def from_parts(dtype: str, shape: Iterable[int], data: bytes) -> torch.Tensor:
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(kind).reshape(shape)
     except (RuntimeError, ValueError, OverflowError) as exc:
         raise CodecError(f"tensor {dtype}{list(shape)}: {str(exc)[:120]}") from None
-
-
-def from_proto(message: drafter_pb2.Tensor) -> torch.Tensor:
-    return from_parts(message.dtype, message.shape, message.data)
 
 
 def draft_request_chunks(
