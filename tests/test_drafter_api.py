@@ -26,7 +26,7 @@ from dflash.service.messages import MAX_MESSAGE_CHARS, StreamError, VerifyReques
 from dflash.service.parts import build_draft_sessions, build_verifier_engine
 from dflash.service.session_store import RedisSessionStore
 from dflash.service.verifier import Verifier
-from service_fixtures import model_dirs, redis_server, redis_url  # noqa: F401
+from service_fixtures import model_dirs, redis_server, redis_url, wait_until  # noqa: F401
 from test_tls import _write_pki
 
 TOKEN = "drafter-s3cret"
@@ -59,12 +59,7 @@ def replica(model_dirs, redis_url):  # noqa: F811
 
 
 def advertised(store, address, timeout_s=10.0):
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while address not in store.drafters():
-        assert time.monotonic() < deadline, f"{address} never advertised itself"
-        time.sleep(0.05)
+    wait_until(lambda: address in store.drafters(), timeout_s, f"{address} to advertise itself")
 
 
 def status_of(address, method, messages, token=TOKEN, credentials=None):

@@ -16,6 +16,7 @@ import redis
 from dflash.service.messages import redact_credentials
 from dflash.service.redis_process import RedisProcess, redis_server_path
 from dflash.service.session_store import CommittedRound, RedisSessionStore, SessionRecord, StoreUnavailableError
+from service_fixtures import wait_until
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(redis_server_path() is None, reason="redis-server is not installed")]
@@ -51,12 +52,6 @@ def test_the_password_is_generated_and_on_no_command_line(supervised):
     assert password not in redact_credentials(supervised.url) and redact_credentials(supervised.url).startswith("redis://:***@")
 
 
-def wait_for(condition, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        time.sleep(0.1)
 
 
 def test_a_killed_server_comes_back_with_its_sessions(supervised, caplog):
@@ -68,7 +63,7 @@ def test_a_killed_server_comes_back_with_its_sessions(supervised, caplog):
         os.kill(first, signal.SIGKILL)  # a crash: no AOF flush on the way out
         with pytest.raises(StoreUnavailableError):
             store.get("kept")
-        wait_for(lambda: supervised.restarts == 1)
+        wait_until(lambda: supervised.restarts == 1, 20, "the supervisor to restart redis-server")
     assert supervised.process.pid != first and supervised.port == store.redis.connection_pool.connection_kwargs["port"]
     assert store.get("kept").output_ids == [4, 5, 6]  # the same client reconnects; the AOF held the write
     restarts = [r.getMessage() for r in caplog.records if "restarted" in r.getMessage()]

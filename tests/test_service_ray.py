@@ -21,7 +21,7 @@ from dflash.params import SamplingParams
 from dflash.service.client import GenerationClient
 from dflash.service.config import ServiceConfig
 from dflash.service.redis_process import free_port
-from service_fixtures import model_dirs  # noqa: F401
+from service_fixtures import model_dirs, wait_until  # noqa: F401
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -381,14 +381,11 @@ def check_one_trace_across_processes(session: str, killed_drafter: str) -> None:
     the batched `dflash.step` it ran in (a trace of its own: a step serves many requests), whose
     children are the drafter replicas' spans; drafts ran in two drafter processes (the one killed
     mid-stream, then the survivor)."""
-    deadline = time.monotonic() + 30
-    while True:  # the ingress ends its span after the last chunk is sent
-        spans = read_spans()
-        requests = [s for s in spans if s["attributes"].get("gen_ai.response.id") == session]
-        if requests or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    [request] = requests
+    def request_spans() -> list[dict]:  # the ingress ends its span after the last chunk is sent
+        return [s for s in read_spans() if s["attributes"].get("gen_ai.response.id") == session]
+
+    [request] = wait_until(request_spans, 30, "the request's span", interval_s=0.5)
+    spans = read_spans()
     assert request["name"] == "text_completion tiny" and request["kind"] == "SpanKind.SERVER"
     assert request["attributes"]["gen_ai.request.model"] == "tiny"
     assert request["attributes"]["gen_ai.usage.output_tokens"] == 40
@@ -416,13 +413,9 @@ def assert_drafters_report_their_load(app_name: str, timeout_s: float = 60) -> N
     from dflash.service.autoscaling import HOT_SESSIONS, INFLIGHT_DRAFTS
     from ray_internals import controller_metrics
 
-    deadline = time.monotonic() + timeout_s
-    while True:  # replicas push their metrics every 10 s
-        metrics = controller_metrics(app_name, "drafter")
-        if {INFLIGHT_DRAFTS, HOT_SESSIONS} <= set(metrics) or time.monotonic() > deadline:
-            break
-        time.sleep(1.0)
-    assert {INFLIGHT_DRAFTS, HOT_SESSIONS} <= set(metrics), sorted(metrics)
+    # replicas push their metrics every 10 s
+    wait_until(lambda: {INFLIGHT_DRAFTS, HOT_SESSIONS} <= set(controller_metrics(app_name, "drafter")), timeout_s,
+               "the drafter's custom autoscaling metrics at the controller", interval_s=1.0)
 
 
 def resume_until_served(client, session, received, timeout_s=180):
