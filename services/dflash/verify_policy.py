@@ -96,7 +96,8 @@ def choose_verify_lengths(probs: Sequence[torch.Tensor], base_tokens: int, cost:
     session plus any prefill chunks) and costs `fixed_ms` besides the target forward (drafting, and
     the per-round work of the engine and of the service around it, which verifying more does not add to)."""
     gains = [torch.cumprod(p.double(), 0).tolist() if p.numel() else [] for p in probs]
-    return _verify_lengths(_best_first(gains), len(probs), base_tokens, cost, fixed_ms)[0]
+    best_first = _best_first(gains)
+    return _verify_lengths(best_first, len(probs), _step_ms(cost, base_tokens, len(best_first), fixed_ms))[0]
 
 
 def _best_first(gains: Sequence[Sequence[float]]) -> list[tuple[float, int]]:
@@ -106,18 +107,23 @@ def _best_first(gains: Sequence[Sequence[float]]) -> list[tuple[float, int]]:
     return sorted((-g, i) for i, session in enumerate(gains) for g in session)
 
 
-def _verify_lengths(best_first: Sequence[tuple[float, int]], num_sessions: int, base_tokens: int, cost: CostCurve,
-                    fixed_ms: float) -> tuple[list[int], float]:
-    """Take proposals best first while one more raises the step's expected tokens per millisecond;
-    each decoding session commits at least its bonus token. -> (lengths, expected gain over plain decoding)."""
+def _step_ms(cost: CostCurve, base_tokens: int, most: int, fixed_ms: float) -> list[float]:
+    """[cost(base_tokens + j) + fixed_ms for j in 0..most + 1]: the scan below reads it instead of
+    interpolating the curve twice per proposal."""
+    return [cost(base_tokens + j) + fixed_ms for j in range(most + 2)]
+
+
+def _verify_lengths(best_first: Sequence[tuple[float, int]], num_sessions: int,
+                    step_ms: Sequence[float]) -> tuple[list[int], float]:
+    """Take proposals best first while one more raises the step's expected tokens per millisecond
+    (step_ms[j]: the step's time with j proposals verified); each decoding session commits at least
+    its bonus token. -> (lengths, expected gain over plain decoding)."""
     lengths = [0] * num_sessions
     expected = float(num_sessions)
-    n = base_tokens
-    for neg_gain, i in best_first:
-        if (expected - neg_gain) * (cost(n) + fixed_ms) <= expected * (cost(n + 1) + fixed_ms):
+    for j, (neg_gain, i) in enumerate(best_first):
+        if (expected - neg_gain) * step_ms[j] <= expected * step_ms[j + 1]:
             break  # the best remaining proposal no longer pays for the time it adds
         expected -= neg_gain
-        n += 1
         lengths[i] += 1
     return lengths, expected - num_sessions
 
@@ -170,13 +176,16 @@ def choose_drafted(rates: Sequence[float], max_drafts: Sequence[int], base_token
     order = sorted((i for i, m in enumerate(max_drafts) if m > 0), key=lambda i: -rates[i])
     best, best_rate = 0, len(rates) / (cost(base_tokens) + fixed_ms)
     proposals: list[tuple[float, int]] = []  # the first m sessions' proposals, best first
+    forward_ms = _step_ms(cost, base_tokens, sum(max_drafts[i] for i in order), 0.0)
     for m, i in enumerate(order, start=1):
         gain = 1.0
         for _ in range(max_drafts[i]):
             gain *= rates[i]
             bisect.insort(proposals, (-gain, i))
-        lengths, gained = _verify_lengths(proposals, len(rates), base_tokens, cost, fixed_ms + draft_cost(m))
-        rate = (len(rates) + gained) / (cost(base_tokens + sum(lengths)) + draft_cost(m) + fixed_ms)
+        extra_ms = fixed_ms + draft_cost(m)
+        step_ms = [ms + extra_ms for ms in forward_ms[: len(proposals) + 2]]
+        lengths, gained = _verify_lengths(proposals, len(rates), step_ms)
+        rate = (len(rates) + gained) / step_ms[sum(lengths)]
         if rate > best_rate:
             best, best_rate = m, rate
     drafted = set(order[:best])
