@@ -317,6 +317,25 @@ def test_explorations_back_off_while_drafting_does_not_pay():
     assert [s for s in range(1, 30) if any(policy.drafted([0.7, 0.7], [15, 15], [s, 0], 2, 0.0))] == [8, 24]
 
 
+def test_drafting_must_beat_plain_decoding_by_the_models_own_error():
+    """Where drafting is predicted to pay only a little, an error of the step-time model could make it
+    lose: the policy drafts only when the predicted gain exceeds the fit's typical error."""
+    curve = CostCurve((1, 8, 16, 32, 64), (5.0, 6.0, 7.0, 10.0, 16.0))
+    drafter = DraftCost()
+    drafter.observe(1, 6.0)
+    assert all(choose_drafted([0.6] * 8, [4] * 8, 8, curve, drafter, 4.0))  # a small predicted gain
+    assert not any(choose_drafted([0.6] * 8, [4] * 8, 8, curve, drafter, 4.0, margin=0.1))
+    assert all(choose_drafted([0.95] * 8, [15] * 8, 8, curve, drafter, 4.0, margin=0.3))  # a large one
+    cal = StepCalibration()
+    start = 0.0
+    for k in range(10):  # step times 10% above or below what the fit can explain, alternately
+        cal.step_started(start)
+        cal.step_ran(start, draft_ms=0.0, predicted_verify_ms=10.0, sessions=4)
+        start += (0.011 if k % 2 else 0.009)
+    cal.step_started(start)
+    assert cal.relative_error == pytest.approx(0.1, abs=0.02)
+
+
 def test_step_calibration_learns_the_time_outside_draft_and_forward():
     cal = StepCalibration(window=5)
     assert cal.round_overhead_ms == 0.0

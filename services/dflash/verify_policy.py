@@ -164,17 +164,19 @@ def acceptance_rate(accepted: float, rejected: float) -> float:
 
 
 def choose_drafted(rates: Sequence[float], max_drafts: Sequence[int], base_tokens: int, cost: CostCurve,
-                   draft_cost: DraftCost, fixed_ms: float = 0.0) -> list[bool]:
+                   draft_cost: DraftCost, fixed_ms: float = 0.0, margin: float = 0.0) -> list[bool]:
     """Which sessions to draft this step, before drafting: the sessions most likely to be accepted
     first, as many as make the step's expected tokens per millisecond highest (none: plain decoding).
 
     rates: each session's per-token acceptance chance; max_drafts: the most proposals it may verify
     (0 where it cannot draft). Expected tokens use the geometric model: k proposals give
-    sum_{j<=k} rate^j more than plain decoding. fixed_ms: see `choose_verify_lengths`.
+    sum_{j<=k} rate^j more than plain decoding. fixed_ms: see `choose_verify_lengths`. margin: by how
+    much (relative) drafting must beat plain decoding: the model's own error, so that where speculation
+    is only predicted to break even, an error does not make it lose.
     Plain floats, no tensors: this runs before every step, for every session.
     """
     order = sorted((i for i, m in enumerate(max_drafts) if m > 0), key=lambda i: -rates[i])
-    best, best_rate = 0, len(rates) / (cost(base_tokens) + fixed_ms)
+    best, best_rate = 0, len(rates) / (cost(base_tokens) + fixed_ms) * (1.0 + margin)
     proposals: list[tuple[float, int]] = []  # the first m sessions' proposals, best first
     forward_ms = _step_ms(cost, base_tokens, sum(max_drafts[i] for i in order), 0.0)
     for m, i in enumerate(order, start=1):
@@ -238,6 +240,14 @@ class StepCalibration:
     def round_overhead_ms(self) -> float:
         """Milliseconds per session per step beyond drafting and the (scaled) forward."""
         return self._fitted()[1]
+
+    @property
+    def relative_error(self) -> float:
+        """The fit's typical error: the median of |measured - fitted| / measured over the window (0 before
+        any step)."""
+        scale, per_round = self._fitted()
+        errors = deque(abs(y - scale * f - per_round * s) / y for f, y, s in self._steps if y > 0)
+        return _median(errors, 0.0)
 
     def _fitted(self) -> tuple[float, float]:
         if self._fit is None:
@@ -304,7 +314,8 @@ class AdaptivePolicy:
         cost stay current. The while is EXPLORE_EVERY steps, doubled (up to EXPLORE_AT_MOST_EVERY) after
         each exploration that still leaves drafting unpaid: a batch where speculation does not pay keeps
         paying for the explorations only rarely."""
-        drafted = choose_drafted(rates, max_drafts, base_tokens, self._curve(), self.draft_cost, overhead_ms)
+        drafted = choose_drafted(rates, max_drafts, base_tokens, self._curve(), self.draft_cost, overhead_ms,
+                                 margin=self.calibration.relative_error)
         if any(drafted):
             self._steps_without_draft, self._explore_every = 0, EXPLORE_EVERY
             return drafted
