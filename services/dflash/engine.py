@@ -352,11 +352,12 @@ class SpeculativeEngine:
         for _, g in asks:
             room = self.target.max_positions - 1 - g.position
             drafted = max(self._round_block_size(g), min(self.drafter.block_size, room))
-            requests.append(DraftRequest(g.request_id, g.pending_features, g.drafter_start, g.last_token, drafted,
+            context = g.pending_features[0] if len(g.pending_features) == 1 else torch.cat(g.pending_features)
+            requests.append(DraftRequest(g.request_id, context, g.drafter_start, g.last_token, drafted,
                                          g.draft_sampling))
         for (i, g), r, d in zip(asks, requests, self.drafter.draft_batch(requests)):
             g.drafter_start += r.context.shape[0]
-            g.pending_features = None
+            g.pending_features = []
             drafts[i] = Draft(d.tokens[: sizes[i] - 1].to("cpu", torch.long), d.probs[: sizes[i] - 1], d.replica)
         return drafts
 
@@ -415,8 +416,9 @@ class SpeculativeEngine:
 
     @staticmethod
     def _queue_features(gen: Generation, features: torch.Tensor) -> None:
-        pending = gen.pending_features
-        gen.pending_features = features if pending is None else torch.cat([pending, features])
+        # Joined once, when the session drafts (not re-copied every step); a copy of its own rows, so
+        # the step's whole feature tensor is not kept alive while the session does not draft.
+        gen.pending_features.append(features.clone())
 
     def _retire_done(self) -> None:
         """Free every finished, failed or cancelled session (running or still queued)."""
@@ -431,7 +433,7 @@ class SpeculativeEngine:
         gen.retired = True
         with self._admission:
             self.scheduler.retire(gen)
-        gen.pending_features = None
+        gen.pending_features = []
         if self.drafter is not None and gen.block_size > 1:
             try:
                 self.drafter.release(gen.request_id)

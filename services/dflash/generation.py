@@ -55,7 +55,7 @@ class Generation:
     stop_token_ids: frozenset[int]
     seed: int = field(default_factory=lambda: secrets.randbits(62))
     output_ids: list[int] = field(default_factory=list)
-    pending_features: torch.Tensor | None = None
+    pending_features: list[torch.Tensor] = field(default_factory=list)
     drafter_start: int = 0
     text: TextStream | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
