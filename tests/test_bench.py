@@ -245,7 +245,8 @@ def test_load_sweep_against_the_real_service(real_service, dirs, tmp_path, capsy
                  "--max-new-tokens", "12", "--requests-per-stream", "2", "--out", str(out)]) == 0
     data = json.loads((out / "load.json").read_text())
     cells = {(c["method"], c["concurrency"]): c for c in data["cells"]}
-    assert list(cells) == [("dflash", 1), ("target-only", 1), ("dflash", 2), ("target-only", 2)]  # interleaved
+    # interleaved, the order alternating from one concurrency to the next
+    assert list(cells) == [("dflash", 1), ("target-only", 1), ("target-only", 2), ("dflash", 2)]
     for (_method, c), cell in cells.items():
         assert cell["errors"] == 0 and cell["requests"] == cell["completed"] == 2 * c, cell
         assert cell["tokens"] == 12 * cell["requests"]  # ignore_eos: the same work for every method

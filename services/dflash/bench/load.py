@@ -169,7 +169,9 @@ def parse_concurrencies(text: str) -> tuple[int, ...]:
 
 def run_sweep(settings: SweepSettings, prompts: list, progress: Callable[[dict], None] | None = None) -> dict:
     """Every (concurrency, method) cell, the methods interleaved at each concurrency so that drift in
-    the machine's speed hits both alike; `progress(cell)` is called as each cell finishes."""
+    the machine's speed hits both alike, their order alternating from one concurrency to the next (A B,
+    B A, ...) so that neither always meets a new concurrency first (the server adapts to it: the verify
+    policy learns the batch's costs); `progress(cell)` is called as each cell finishes."""
     if not prompts:
         raise DFlashError("the load mode needs at least one prompt")
     client = connect(settings.address, settings.token)
@@ -177,8 +179,8 @@ def run_sweep(settings: SweepSettings, prompts: list, progress: Callable[[dict],
         for i in range(settings.warmup_requests):
             _one(client, settings, method, prompts[i % len(prompts)], i, None)
     cells = []
-    for concurrency in settings.concurrencies:
-        for method in settings.methods:
+    for k, concurrency in enumerate(settings.concurrencies):
+        for method in settings.methods if k % 2 == 0 else settings.methods[::-1]:
             records, wall_s = run_cell(client, settings, method, concurrency, prompts)
             cells.append(summarize_cell(method.name, concurrency, records, wall_s))
             if progress is not None:
