@@ -156,7 +156,6 @@ class DFlashAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:-1], -1))
 
-
     def forward_packed(
         self,
         hidden: torch.Tensor,
