@@ -122,7 +122,7 @@ class Generation:
         if interval <= 1 or self.done:
             return True
         waiting = 0
-        for out in self.outbox:
+        for out in tuple(self.outbox):  # a snapshot: the engine appends and the stream pops meanwhile
             if out.stats.index == 0 or out.finish_reason is not None:
                 return True
             waiting += len(out.token_ids)
