@@ -361,3 +361,5 @@ def test_step_time_is_split_between_a_slower_forward_and_a_cost_per_round():
     assert scale == pytest.approx(1.5) and per_round == pytest.approx(1.0)
     assert fit_step_time([(f, 2.0 * f, s) for f, _, s in steps]) == pytest.approx((2.0, 0.0))
     assert fit_step_time([(f, 0.1 * f, s) for f, _, s in steps])[0] == 0.5  # kept within [0.5, 4]
+    alike = [(10.0, 7.0, 4)] * 6  # every step the same shape, faster than the curve: the forward's scale
+    assert fit_step_time(alike) == pytest.approx((0.7, 0.0))

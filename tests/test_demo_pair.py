@@ -8,25 +8,31 @@ from dflash.defaults import DEMO_AR_DRAFT, DEMO_DIR, demo_pair
 from dflash.demo.corpus import heldout_prompts
 from dflash.loading import build_engine
 from dflash.params import SamplingParams
+from dflash.scheduler import SchedulerConfig
 
 
 @pytest.fixture(scope="module")
 def engines():
     target, drafter = demo_pair()
-    return build_engine(target, drafter, device="cpu"), build_engine(target, None, device="cpu")
+    full = SchedulerConfig(verify_policy="full")
+    return (build_engine(target, drafter, device="cpu"), build_engine(target, drafter, device="cpu", scheduler=full),
+            build_engine(target, None, device="cpu"))
 
 
 def test_demo_pair_is_lossless_on_heldout_prompts(engines):
-    spec, alone = engines
+    """Both verify policies give the target's own output; with whole blocks verified (the adaptive policy
+    may decode a lone CPU stream plainly, where that is faster) the trained drafter is accepted."""
+    adaptive, full, alone = engines
     taus = []
     for prompt in heldout_prompts(4, seed=1):
-        ids = spec.encode(prompt)
+        ids = alone.encode(prompt)
         for params in (SamplingParams(max_new_tokens=64), SamplingParams(max_new_tokens=48, temperature=1.0, seed=3)):
-            got = spec.run(ids, params)
-            assert got.token_ids == alone.run(ids, params).token_ids
-            assert got.text == alone.run(ids, params).text
-        taus.append(got.stats.tau)
-    assert max(taus) > 1.0  # the trained drafter is accepted at least sometimes
+            want = alone.run(ids, params)
+            for spec in (adaptive, full):
+                got = spec.run(ids, params)
+                assert (got.token_ids, got.text) == (want.token_ids, want.text)
+            taus.append(got.stats.tau)
+    assert min(taus) > 1.0  # the trained drafter is accepted, greedy and sampled
 
 
 def test_manifest_records_how_the_shipped_pair_was_made():

@@ -257,8 +257,8 @@ class StepCalibration:
 
 def fit_step_time(steps: Sequence[tuple[float, float, int]]) -> tuple[float, float]:
     """(scale, per-session ms) fitting ms ~ scale * forward + per_session * sessions by least squares, the
-    scale kept within [0.5, 4] and the per-session cost >= 0; (1, median excess per session) when the
-    steps are too alike to separate the two."""
+    scale kept within [0.5, 4] and the per-session cost >= 0. When the steps are too alike to separate
+    the two: (1, median excess per session), or (scale, 0) where the steps take less than the curve says."""
     if not steps:
         return 1.0, 0.0
     ff = sum(f * f for f, _, _ in steps)
@@ -273,6 +273,9 @@ def fit_step_time(steps: Sequence[tuple[float, float, int]]) -> tuple[float, flo
         if per_session >= 0:
             return scale, per_session
         return min(max(fy / ff, 0.5), 4.0), 0.0
+    ratio = fy / ff if ff > 0 else 1.0
+    if ratio < 1.0:  # the forward runs faster than the curve says: nothing is left to charge per round
+        return max(ratio, 0.5), 0.0
     excess = deque(max(y - f, 0.0) / s for f, y, s in steps)
     return 1.0, _median(excess, 0.0)
 
