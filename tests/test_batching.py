@@ -141,14 +141,16 @@ def test_concurrent_streams_batch_into_shared_steps(pair):
 
 def test_stream_interval_sends_fewer_larger_batches_and_the_same_tokens(pair):
     """With the step loop running, a stream is woken for its first token, then once it has
-    `stream_interval` tokens waiting, and at its end: every batch between holds at least that many,
-    and the tokens are those of interval 1."""
+    `stream_interval` tokens waiting, and at its end: every batch between holds at least that many, and
+    each of 8 requests streamed at once (mixed lengths, temperatures, stops) gets exactly its solo output."""
     target, drafter = pair
     requests = [(p, SamplingParams(max_new_tokens=40, ignore_eos=True, block_size=b))
-                for p, b in zip(prompts(4, seed=21), (None, 1, 4, None))]
+                for p, b in zip(prompts(4, seed=21), (None, 1, 4, None))] + mixed_requests(4)
+    solo = [engine_for(target, drafter, char_tokenizer()).run(*r).token_ids for r in requests]
     got = {}
     for interval in (1, 6):
-        engine = engine_for(target, drafter, config=SchedulerConfig(verify_policy="full", stream_interval=interval))
+        config = SchedulerConfig(verify_policy="full", stream_interval=interval)
+        engine = engine_for(target, drafter, char_tokenizer(), config=config)
         engine.start_loop()
         gens = [engine.start(p, params) for p, params in requests]
         batches: dict[int, list] = {}
@@ -163,7 +165,7 @@ def test_stream_interval_sends_fewer_larger_batches_and_the_same_tokens(pair):
         for reader in readers:
             reader.join(120)
         tokens_of = [[t for batch in batches[i] for r in batch for t in r.token_ids] for i in range(len(gens))]
-        assert tokens_of == [engine_for(target, drafter).run(*r).token_ids for r in requests]
+        assert tokens_of == solo
         got[interval] = [[sum(len(r.token_ids) for r in batch) for batch in batches[i]] for i in range(len(gens))]
     for sizes in got[6]:  # the first batch holds the first token, the last the end; each between >= 6
         assert all(n >= 6 for n in sizes[1:-1])

@@ -214,7 +214,7 @@ class StepCalibration:
     def __init__(self, window: int = 32) -> None:
         self._steps: deque[tuple[float, float, int]] = deque(maxlen=window)  # (forward predicted, ms, sessions)
         self._last: tuple[float, float, float, int] | None = None  # (start, draft ms, forward predicted, sessions)
-        self._fit: tuple[float, float] | None = (1.0, 0.0)
+        self._fit: tuple[float, float, float] | None = (1.0, 0.0, 0.0)  # scale, per round, relative error
 
     def step_started(self, now: float) -> None:
         """At a step's start (perf_counter seconds): the previous step's period is now known."""
@@ -245,13 +245,14 @@ class StepCalibration:
     def relative_error(self) -> float:
         """The fit's typical error: the median of |measured - fitted| / measured over the window (0 before
         any step)."""
-        scale, per_round = self._fitted()
-        errors = deque(abs(y - scale * f - per_round * s) / y for f, y, s in self._steps if y > 0)
-        return _median(errors, 0.0)
+        return self._fitted()[2]
 
-    def _fitted(self) -> tuple[float, float]:
+    def _fitted(self) -> tuple[float, float, float]:
+        """Fitted once per step that adds to the window, whatever reads it how often."""
         if self._fit is None:
-            self._fit = fit_step_time(self._steps)
+            scale, per_round = fit_step_time(self._steps)
+            errors = deque(abs(y - scale * f - per_round * s) / y for f, y, s in self._steps if y > 0)
+            self._fit = (scale, per_round, _median(errors, 0.0))
         return self._fit
 
 
