@@ -118,3 +118,60 @@ def test_draft_sampling_refuses_a_temperature_it_cannot_divide_by():
         with pytest.raises(DFlashError):
             DraftSampling(**bad)
     assert DraftSampling.for_request(SamplingParams(temperature=1e-40, top_p=0.5), seed=3).greedy
+
+
+# --- what fits the context, and the whole range of the seed ------------------------------------------
+
+def test_max_new_tokens_beyond_the_context_is_refused_naming_the_room(models):
+    """Was: cut silently to what fits, finish "length". Now refused as vLLM and the OpenAI API refuse it,
+    with the context, the prompt and the most that fits."""
+    target, drafter = models
+    engine = engine_for(target, drafter)
+    with pytest.raises(InvalidRequestError) as err:
+        engine.start([1] * 60, SamplingParams(max_new_tokens=5))
+    assert err.value.field == "max_new_tokens"
+    assert "context holds 64 tokens" in str(err.value) and "the prompt is 60" in str(err.value)
+    assert "at most 4 new tokens" in str(err.value)
+    fits = engine.run([1] * 60, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert len(fits.token_ids) == 4 and fits.finish_reason == "length"
+
+
+def test_unset_max_new_tokens_fills_the_room_the_context_leaves(models):
+    """Unset, max_new_tokens is 128 or the room left, whichever is fewer (vLLM's default): never refused."""
+    from dflash.params import DEFAULT_MAX_NEW_TOKENS
+
+    target, drafter = models
+    engine = engine_for(target, drafter)
+    near_the_end = engine.run([1] * 60, SamplingParams(ignore_eos=True))
+    assert len(near_the_end.token_ids) == 4 and near_the_end.finish_reason == "length"
+    assert engine.start([1, 2], SamplingParams()).params.max_new_tokens == 62
+    big = engine_for(tiny_target("qwen3", max_positions=512))
+    assert big.start([1, 2], SamplingParams()).params.max_new_tokens == DEFAULT_MAX_NEW_TOKENS == 128
+
+
+def test_seeds_take_the_whole_uint64_range(models):
+    """The proto's seed is uint64: every value is accepted and samples (was: >= 2**63 refused)."""
+    from dflash.params import MAX_SEED
+
+    assert MAX_SEED == (1 << 64) - 1
+    with pytest.raises(InvalidRequestError, match=f"seed: must be between 0 and {MAX_SEED}, got {1 << 64}"):
+        SamplingParams(seed=1 << 64)
+    target, drafter = models
+    speculative, plain = engine_for(target, drafter), engine_for(target)
+    outputs = []
+    for seed in (1 << 63, MAX_SEED):
+        params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=seed, ignore_eos=True)
+        got = speculative.run([3, 4, 5], params).token_ids
+        assert got == plain.run([3, 4, 5], params).token_ids  # still lossless: the same noise per position
+        outputs.append(got)
+    assert outputs[0] != outputs[1]
+
+
+def test_position_seeds_below_2_63_are_unchanged():
+    """Seeds < 2**63 sample exactly as before the range grew: the generator seeds are pinned."""
+    from dflash.sampling import position_seed
+
+    assert position_seed(0, 0) == 4685109482889842056
+    assert position_seed(7, 10) == 1529707127375883190
+    assert position_seed((1 << 63) - 1, 5) == 3303731114903442824
+    assert position_seed((1 << 64) - 1, 5) == 4445859051449755722 and position_seed(1 << 63, 0) < 1 << 63

@@ -158,11 +158,12 @@ def test_streaming_yields_each_round_with_its_statistics(target, references):
 
 
 def test_context_limit_finishes_with_length():
+    """max_new_tokens unset fills the room the context leaves (a value beyond it is refused: intake.py)."""
     model = tiny_target("qwen3", max_positions=40)
     prompt = prompts(1, seed=3, lo=30, hi=31)[0]
     expected = hf_greedy(model, prompt, 10)
     got = oracle_engine(model, prompt, expected + [0] * 16, error_rate=0.0).run(
-        prompt, SamplingParams(max_new_tokens=100, ignore_eos=True))
+        prompt, SamplingParams(ignore_eos=True))
     assert got.finish_reason == "length"
     assert len(prompt) + len(got.token_ids) == 40
     assert got.token_ids == expected

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from .errors import InvalidRequestError
 from .generation import Generation
-from .params import SamplingParams
+from .params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from .textstream import TextStream
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ def new_generation(
     committed tokens are prefilled with the prompt and their text counts as already streamed.
     """
     prompt = check_prompt(limits, prompt_ids)
+    params = fit_context(limits, len(prompt), params)
     block_size = check_block_size(limits, params)
     if params.stop and tokenizer is None:
         raise InvalidRequestError("stop", "stop strings need a tokenizer; pass stop_token_ids instead")
@@ -87,6 +88,22 @@ def check_prompt(limits: RequestLimits, prompt_ids: Iterable[int]) -> list[int]:
             "(prompt plus at least one new token): shorten the prompt",
         )
     return ids
+
+
+def fit_context(limits: RequestLimits, prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+    """`params` with max_new_tokens resolved: unset, DEFAULT_MAX_NEW_TOKENS or the room the context
+    leaves, whichever is fewer; set, refused when prompt + max_new_tokens exceed the context (as vLLM
+    and the OpenAI API answer 400), never cut short silently."""
+    room = limits.max_positions - prompt_tokens
+    if params.max_new_tokens is None:
+        return replace(params, max_new_tokens=min(DEFAULT_MAX_NEW_TOKENS, room))
+    if params.max_new_tokens > room:
+        raise InvalidRequestError(
+            "max_new_tokens",
+            f"{params.max_new_tokens} does not fit: the model's context holds {limits.max_positions} tokens and "
+            f"the prompt is {prompt_tokens}, so at most {room} new tokens (or leave max_new_tokens unset)",
+        )
+    return params
 
 
 def check_block_size(limits: RequestLimits, params: SamplingParams) -> int:

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from .errors import InvalidRequestError
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
+# max_new_tokens unset: this many, or what the context leaves after the prompt when that is fewer (as
+# vLLM fills the room left when max_tokens is unset). A value set and larger than the room is refused.
+DEFAULT_MAX_NEW_TOKENS = 128
+MAX_SEED = (1 << 64) - 1  # the proto's uint64; sampling.position_seed mixes all 64 bits
 # Sampling divides the logits by the temperature. Below this one the quotient can overflow float32 (a
 # logit of 50 over 1e-40 is 5e41), and the distribution it tends to is already one-hot: such a
 # temperature decodes greedily, the limit of sampling as the temperature falls to 0.
@@ -24,6 +28,8 @@ class SamplingParams:
     vocabulary) and top_p 1.0 switch those filters off; top_k 1 or a tiny top_p keeps the most likely
     token alone. `seed` fixes the sampled output: the same seed gives the same tokens at any block size
     (see sampling.py).
+    `max_new_tokens` None: DEFAULT_MAX_NEW_TOKENS or what the context leaves, whichever is fewer
+    (intake.py resolves it against the prompt); a value that does not fit the context is refused.
     `block_size` None uses the drafter's trained block size; 1 switches drafting off.
     `draft_confidence` in [0, 1) shortens each round's draft to the proposals the drafter is jointly
     confident in (the running product of its top-token probabilities stays >= this; the first is always
@@ -31,7 +37,7 @@ class SamplingParams:
     the whole block. The output does not depend on it, only the speed.
     """
 
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -44,7 +50,8 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
+        if self.max_new_tokens is not None:
+            _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
         _check_float("temperature", self.temperature)
         if self.temperature < 0:
             raise InvalidRequestError("temperature", f"must be >= 0 (0 is greedy), got {self.temperature}")
@@ -55,7 +62,7 @@ class SamplingParams:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k, 0, 1 << 31)
         if self.seed is not None:
-            _check_int("seed", self.seed, 0, (1 << 63) - 1)
+            _check_int("seed", self.seed, 0, MAX_SEED)
         if self.block_size is not None:
             _check_int("block_size", self.block_size, 1, 1024)
         _check_float("draft_confidence", self.draft_confidence)

@@ -6,6 +6,7 @@ CPU-only proxy nodes.
 from __future__ import annotations
 
 import hmac
+import logging
 import re
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
@@ -17,6 +18,7 @@ from opentelemetry import trace
 from ..api.v1 import generate_pb2
 from ..errors import InvalidRequestError
 from ..params import SamplingParams
+from ..scheduler import MAX_STREAM_INTERVAL_MS
 from . import tracing
 from .config import ServiceConfig
 from .messages import MalformedMessage, StreamError, VerifyRequest, public_message
@@ -41,6 +43,60 @@ class Rejected(Exception):
 
 
 OpenStream = Callable[[VerifyRequest, dict], AsyncIterator]
+
+# How loud a client error is in the logs: one line, no traceback (a traceback is for our own faults).
+# Overload and outages are WARNING: an operator acts on them; the rest is the client's to fix.
+CLIENT_ERROR_LEVELS = {"RESOURCE_EXHAUSTED": logging.WARNING, "UNAVAILABLE": logging.WARNING}
+SERVE_LOGGER = "ray.serve"
+
+
+class ClientErrorLogFilter(logging.Filter):
+    """Rewrites a log record whose exception is a Rejected into one line at INFO (WARNING for the codes in
+    CLIENT_ERROR_LEVELS), without the traceback; other records pass untouched.
+
+    Ray Serve logs every exception a deployment raises with its traceback at ERROR: the replica's
+    "Request failed." (replica.py, _handle_errors_and_metrics) and the proxy's "Request failed with
+    user-set gRPC status code" (grpc_util.py, get_grpc_response_status). A streaming deployment cannot
+    end with a status without raising: the proxy copies the deployment's grpc_context onto the call
+    only with each message it relays (proxy.py, send_request_to_replica), so a stream that returns
+    after set_code ends OK. The Rejected is therefore still raised (the proxy answers with the code and
+    details set on the context) and its records are rewritten here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rejected = _rejected_in(record.exc_info[1] if record.exc_info else None)
+        if rejected is not None:
+            record.msg, record.args = "%s %s: %s", (record.getMessage(), rejected.code, rejected.message)
+            record.levelno = CLIENT_ERROR_LEVELS.get(rejected.code, logging.INFO)
+            record.levelname = logging.getLevelName(record.levelno)
+            record.exc_info = record.exc_text = record.stack_info = None
+        return True
+
+
+def quiet_client_errors(logger_name: str = SERVE_LOGGER) -> None:
+    """Install ClientErrorLogFilter on Ray Serve's logger (once per process)."""
+    logger = logging.getLogger(logger_name)
+    if not any(isinstance(f, ClientErrorLogFilter) for f in logger.filters):
+        logger.addFilter(ClientErrorLogFilter())
+
+
+def _rejected_in(exc: BaseException | None) -> Rejected | None:
+    """The Rejected `exc` is or wraps (Serve's gRPCStatusError.original_exception, RayTaskError.cause,
+    a __cause__ or __context__), if any."""
+    seen, pending = set(), [exc]
+    while pending and len(seen) < 16:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        if isinstance(e, Rejected):
+            return e
+        seen.add(id(e))
+        pending += [getattr(e, "original_exception", None), getattr(e, "cause", None), e.__cause__, e.__context__]
+    return None
+
+
+# Installed where a Rejected can be logged: in the ingress replica, which imports this module, and in
+# Ray's proxy, which imports it to unpickle the first Rejected it receives, before logging it.
+quiet_client_errors()
 
 
 class Ingress:
@@ -98,14 +154,15 @@ class Ingress:
         params["ignore_eos"] = request.ignore_eos
         if len(params.get("stop", ())) > limits.max_stop_strings:
             raise Rejected("INVALID_ARGUMENT", f"stop: at most {limits.max_stop_strings} stop strings")
-        if params.get("max_new_tokens", 1) > limits.max_new_tokens:
-            raise Rejected("INVALID_ARGUMENT", f"max_new_tokens: must be at most {limits.max_new_tokens}, "
-                           f"got {params['max_new_tokens']}")
+        if not 1 <= params.get("max_new_tokens", 1) <= limits.max_new_tokens:
+            raise Rejected("INVALID_ARGUMENT", f"max_new_tokens: must be between 1 and {limits.max_new_tokens} "
+                           f"(this server's limits.max_new_tokens), got {params['max_new_tokens']}")
         try:
             SamplingParams(**params)
         except InvalidRequestError as exc:
             raise Rejected("INVALID_ARGUMENT", str(exc)) from None
-        return VerifyRequest(uuid.uuid4().hex, params, request.prompt, tuple(request.prompt_token_ids))
+        return VerifyRequest(uuid.uuid4().hex, params, request.prompt, tuple(request.prompt_token_ids),
+                             stream_interval_ms=_stream_interval(request))
 
     async def reflect(self, requests: AsyncIterable, metadata: Mapping[str, str]) -> AsyncIterator:
         """Server reflection (grpc.reflection.v1alpha) for dflash.v1.Generation and the health service:
@@ -138,7 +195,8 @@ class Ingress:
             value = getattr(request, f)
             if (request.HasField(f) if f in SAMPLING_FIELDS else bool(value)):
                 raise Rejected("INVALID_ARGUMENT", f"{f}: must be empty when resuming a session (the session holds it)")
-        return VerifyRequest(request.session_id, tokens_received=request.tokens_received, resume=True)
+        return VerifyRequest(request.session_id, tokens_received=request.tokens_received, resume=True,
+                             stream_interval_ms=_stream_interval(request))
 
     def _check_auth(self, metadata: Mapping[str, str]) -> None:
         token = self.config.auth_token
@@ -147,6 +205,16 @@ class Ingress:
         sent = metadata.get("authorization", "")
         if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
             raise Rejected("UNAUTHENTICATED", "authorization: send metadata 'authorization: Bearer <token>'")
+
+
+def _stream_interval(request: generate_pb2.GenerateRequest) -> int | None:
+    """The request's own stream interval (delivery, not session state: a resume may set it too)."""
+    if not request.HasField("stream_interval_ms"):
+        return None
+    if request.stream_interval_ms > MAX_STREAM_INTERVAL_MS:
+        raise Rejected("INVALID_ARGUMENT", f"stream_interval_ms: must be at most {MAX_STREAM_INTERVAL_MS}, "
+                       f"got {request.stream_interval_ms}")
+    return request.stream_interval_ms
 
 
 def check_decoded(request: Message | MalformedMessage) -> None:

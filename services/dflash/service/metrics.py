@@ -73,13 +73,20 @@ class ServiceMetrics:
 
     def record_step(self, num_tokens: int, verify_lengths: list[int], seconds: float, running: int,
                     queued: int) -> None:
-        """One scheduler step: its packed tokens, each decoding session's verified draft length, its time."""
+        """One scheduler step: its packed tokens, each decoding session's verified draft length, its time,
+        and the sessions running and queued once it is over."""
         if self.backend == "none":
             return
         _observe(self.step_tokens, num_tokens)
         for k in verify_lengths:
             _observe(self.verify_tokens, k)
         _observe(self.step_seconds, seconds)
+        self.record_sessions(running, queued)
+
+    def record_sessions(self, running: int, queued: int) -> None:
+        """The running batch and the admission queue as they stand (the gauges)."""
+        if self.backend == "none":
+            return
         self.running.set(running)
         self.queued.set(queued)
 

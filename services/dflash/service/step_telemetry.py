@@ -52,5 +52,8 @@ class StepTelemetry:
                 "dflash.drafter.fallback": s.index > 0 and gen.block_size > 1 and not s.drafter,
             })
             span.end(end_time=report.end_ns)
+        # The engine retires the sessions this step finished (or failed) right after it: counted as
+        # running, the gauge would read 1 on a server idle since its last request.
+        retiring = {id(gen) for gen, _ in report.rounds if gen.done}
         self.metrics.record_step(report.num_tokens, report.verify_lengths, (report.end_ns - report.start_ns) / 1e9,
-                                 report.num_running, report.num_waiting)
+                                 report.num_running - len(retiring), report.num_waiting)
