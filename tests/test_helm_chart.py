@@ -121,7 +121,7 @@ def value(variant: str, dotted: str):
 def public_grpc_service(variant: str) -> str:
     """The Service clients call: KubeRay's serve Service, or with TLS the chart's Service of the TLS front."""
     if variant_values(variant).get("tls", {}).get("enabled"):
-        return one(variant_objects(variant), "Service", "-grpc")["metadata"]["name"]
+        return one(variant_objects(variant), "Service", "-grpc-tls")["metadata"]["name"]
     return rayservice(variant)["spec"]["serveService"]["metadata"]["name"]
 
 
@@ -573,12 +573,13 @@ def test_grpc_reaches_only_the_serving_cluster(variant):
     serve = rs["spec"]["serveService"]
     (port,) = serve["spec"]["ports"]
     assert (port["name"], port["port"], port["targetPort"]) == ("serve-grpc", grpc_port, "serve-grpc")
+    assert serve["metadata"]["name"] == "dflash-grpc"
     if value(variant, "tls.enabled"):
         front = one(objs, "Deployment", "-tls-front")["spec"]["template"]["spec"]["containers"][0]
         assert f"--upstream={serve['metadata']['name']}:{grpc_port}" in front["args"]
-        assert serve["spec"]["type"] == "ClusterIP" and serve["metadata"]["name"] != public_grpc_service(variant)
+        assert serve["spec"]["type"] == "ClusterIP" and public_grpc_service(variant) == "dflash-grpc-tls"
     else:
-        assert serve["metadata"]["name"] == public_grpc_service(variant) == "dflash-grpc"
+        assert serve["metadata"]["name"] == public_grpc_service(variant)
         assert serve["spec"]["type"] == value(variant, "grpc.serviceType") and port["appProtocol"] == "grpc"
     assert len(serve["metadata"]["name"]) <= 63
 
@@ -636,6 +637,175 @@ def test_changed_proxy_options_make_a_new_cluster():
         assert changed["workerGroupSpecs"] == base["workerGroupSpecs"], "only the head pod changes"
     for same in (SERVE_TWEAKS, {"limits": {"maxNewTokens": 512}}):
         assert cluster(same) == base
+
+
+def kuberay_hashed_spec(rs: dict) -> dict:
+    """What KubeRay hashes to decide whether the running RayCluster still fits the RayService: spec.rayClusterConfig
+    without suspend (rayservice_controller.go, rayClusterSpecForHashing), the upgrade strategy, every group's
+    tolerations and scheduling gates, and the worker groups' replicas, minReplicas, maxReplicas and workersToDelete
+    (utils/util.go, GenerateHashWithoutReplicasAndWorkersToDelete; v1.6.0 to v1.7.0). Equal here: KubeRay keeps
+    the running cluster as it is (shouldUpdateCluster, shouldPrepareNewCluster)."""
+    spec = json.loads(json.dumps(rs["spec"]["rayClusterConfig"]))
+    spec.pop("suspend", None)
+    spec.pop("upgradeStrategy", None)
+    for group in [spec["headGroupSpec"], *spec.get("workerGroupSpecs", [])]:
+        group["template"]["spec"].pop("tolerations", None)
+        group["template"]["spec"].pop("schedulingGates", None)
+    for group in spec.get("workerGroupSpecs", []):
+        for key in ("replicas", "minReplicas", "maxReplicas"):
+            group.pop(key, None)
+        group.get("scaleStrategy", {}).pop("workersToDelete", None)
+    return spec
+
+
+TAINT = [{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}]
+
+
+@pytest.mark.parametrize(("role", "change"), [
+    ("verifier", {"pods": {"maxReplicas": 6}}),
+    ("verifier", {"pods": {"minReplicas": 2}}),
+    ("verifier", {"pods": {"tolerations": TAINT}}),
+    ("drafter", {"pods": {"maxReplicas": 12}}),
+    ("drafter", {"pods": {"minReplicas": 0}}),
+    ("drafter", {"pods": {"tolerations": TAINT}}),
+    ("head", {"tolerations": TAINT}),
+], ids=lambda x: x if isinstance(x, str) else json.dumps(x)[:40])
+def test_bounds_and_tolerations_reach_the_ray_cluster(role, change):
+    """KubeRay leaves a worker group's min/max replicas and all tolerations out of its cluster hash, so by
+    themselves a raised pods.maxReplicas or a new toleration never reach the running RayCluster (the autoscaler
+    stays capped; kuberay#4568). The chart hashes them into that group's pod template: the change goes through
+    upgradeStrategy like any cluster change, and only that group's template differs."""
+    base = one(objects(render({})), "RayService")
+    changed = one(objects(render({role: change})), "RayService")
+    assert kuberay_hashed_spec(changed) != kuberay_hashed_spec(base)
+    for name, group in {g.get("groupName", "head"): g for g in groups_of(changed)}.items():
+        before = {g.get("groupName", "head"): g for g in groups_of(base)}[name]
+        same = group["template"]["metadata"] == before["template"]["metadata"]
+        assert same is (name != role), name
+    assert kuberay_problems(changed) == []
+
+
+def test_serve_only_changes_keep_the_ray_cluster():
+    base = kuberay_hashed_spec(one(objects(render({})), "RayService"))
+    assert kuberay_hashed_spec(one(objects(render(SERVE_TWEAKS)), "RayService")) == base
+    assert kuberay_hashed_spec(one(objects(render({"tls": {"enabled": True, "existingSecret": "t"}})),
+                                   "RayService")) == base, "switching TLS replaces no cluster"
+
+
+@pytest.mark.parametrize("role", ["verifier", "drafter"])
+def test_a_budget_changes_with_its_pods(role):
+    """A worker group's budget (minAvailable: pods.minReplicas) is never ahead of its pods: whatever changes it
+    also changes what KubeRay hashes for that group, so the pods of the new bounds come with the same upgrade
+    (with NewCluster both clusters' pods count towards it until the old one goes)."""
+    def budget_and_group(values: dict) -> tuple[dict, dict]:
+        objs = objects(render(values))
+        budget = one(objs, "PodDisruptionBudget", f"-{role}")["spec"]
+        (group,) = [g for g in kuberay_hashed_spec(one(objs, "RayService"))["workerGroupSpecs"]
+                    if g["groupName"] == role]
+        return budget, group
+
+    base_budget, base_group = budget_and_group({})
+    new_budget, new_group = budget_and_group({role: {"pods": {"minReplicas": 2, "maxReplicas": 8}}})
+    assert new_budget["minAvailable"] == 2 != base_budget["minAvailable"]
+    assert new_group != base_group
+
+
+def kuberay_reconcile_serve_service(existing: dict | None, rs: dict, cluster: str) -> dict:
+    """The serve Service after KubeRay points it at a ready `cluster` (rayservice_controller.go, reconcileServices;
+    common/service.go, BuildServeService): created from spec.serveService with its metadata when absent; when
+    present and its selector names another cluster, only its spec is replaced (clusterIP kept), metadata untouched;
+    otherwise left alone. v1.6.0 to v1.7.0."""
+    serve = json.loads(json.dumps(rs["spec"]["serveService"]))
+    serve["spec"]["selector"] = {"ray.io/cluster": cluster, "ray.io/serve": "true"}
+    if existing is None:
+        return serve
+    if existing["spec"]["selector"].get("ray.io/cluster") == cluster:
+        return existing
+    spec = dict(serve["spec"])
+    if "clusterIP" in existing["spec"]:
+        spec["clusterIP"] = existing["spec"]["clusterIP"]
+    return {**existing, "spec": spec}
+
+
+# The public Service chart 0.1.0 rendered (helm/templates/service-grpc.yaml at a17a396^, default values): Helm's,
+# selecting every Ray pod of the release whose proxy KubeRay marked healthy, of any cluster.
+SERVICE_0_1_0 = {
+    "apiVersion": "v1", "kind": "Service",
+    "metadata": {"name": "dflash-grpc",
+                 "labels": {"app.kubernetes.io/managed-by": "Helm", "helm.sh/chart": "dflash-0.1.0"}},
+    "spec": {"type": "ClusterIP", "clusterIP": "10.0.0.9",
+             "selector": {"app.kubernetes.io/component": "ray", "app.kubernetes.io/instance": "dflash",
+                          "app.kubernetes.io/name": "dflash", "ray.io/serve": "true"},
+             "ports": [{"name": "serve-grpc", "port": 9000, "targetPort": "serve-grpc", "protocol": "TCP",
+                        "appProtocol": "grpc"}]},
+}
+
+
+def selects(service: dict, pod_labels: dict) -> bool:
+    return service["spec"]["selector"].items() <= pod_labels.items()
+
+
+def test_the_0_1_0_service_is_handed_over_without_a_gap():
+    """Upgrading from 0.1.0, Helm deletes its dflash-grpc Service, and KubeRay creates its serve Service only once
+    the new cluster's applications run: minutes without the public Service. docs/kubernetes.md's procedure keeps
+    Helm's Service (helm.sh/resource-policy=keep) pinned to the old cluster (ray.io/cluster); KubeRay then takes it
+    over at the switch by name, keeping its address, because the chart's serve Service has 0.1.0's name and port."""
+    rs = rayservice("default")
+    new_head = {**groups("default")["head"]["template"]["metadata"]["labels"],
+                "ray.io/cluster": "dflash-new", "ray.io/serve": "true"}  # labelled as soon as its proxy answers
+    old_head = {**new_head, "ray.io/cluster": "dflash-old"}
+    assert selects(SERVICE_0_1_0, new_head), "unpinned, 0.1.0's Service would send calls to the starting cluster"
+    pinned = json.loads(json.dumps(SERVICE_0_1_0))
+    pinned["spec"]["selector"]["ray.io/cluster"] = "dflash-old"
+    assert selects(pinned, old_head) and not selects(pinned, new_head)
+    switched = kuberay_reconcile_serve_service(pinned, rs, "dflash-new")
+    assert switched["metadata"]["name"] == SERVICE_0_1_0["metadata"]["name"]
+    assert switched["spec"]["clusterIP"] == "10.0.0.9"
+    assert [(p["name"], p["port"]) for p in switched["spec"]["ports"]] == [("serve-grpc", 9000)]
+    assert selects(switched, new_head) and not selects(switched, old_head)
+
+
+def test_switching_tls_never_collides_with_kuberays_service():
+    """KubeRay creates the serve Service under spec.serveService's name; Helm refuses to create an object of that
+    name it does not own. The name is the same with TLS on or off (so no stale serve Service is left either way),
+    and the chart never renders a Service of that name."""
+    plain = objects(render({}))
+    tls = objects(render({"tls": {"enabled": True, "existingSecret": "t"}}))
+    serve_names = {one(objs, "RayService")["spec"]["serveService"]["metadata"]["name"] for objs in (plain, tls)}
+    assert serve_names == {"dflash-grpc"}
+    chart_services = {o["metadata"]["name"] for objs in (plain, tls) for o in objs if o["kind"] == "Service"}
+    assert not serve_names & chart_services
+    assert "dflash-grpc-tls" in chart_services
+
+
+def notes(values: dict, **flags) -> str:
+    with helm.Chart.load(str(CHART)) as chart:
+        return chart.render(values, name="dflash", namespace="dflash", **flags)["dflash/templates/NOTES.txt"]
+
+
+def test_service_type_and_annotations_reach_the_running_service():
+    """KubeRay copies spec.serveService's annotations only when it creates the Service and replaces only its spec,
+    only when it switches clusters (reconcileServices). The chart puts them on spec.serveService for a first
+    creation, and on an upgrade NOTES print the kubectl commands that apply them to the running Service, which
+    KubeRay keeps (it never writes an existing Service's metadata, nor its spec between switches)."""
+    values = {"grpc": {"serviceType": "LoadBalancer",
+                       "serviceAnnotations": {"service.beta.kubernetes.io/aws-load-balancer-type": "nlb"}}}
+    serve = one(objects(render(values)), "RayService")["spec"]["serveService"]
+    assert serve["metadata"]["annotations"] == values["grpc"]["serviceAnnotations"]
+    assert serve["spec"]["type"] == "LoadBalancer"
+    created = kuberay_reconcile_serve_service(None, {"spec": {"serveService": serve}}, "dflash-a")
+    assert created["metadata"]["annotations"] == values["grpc"]["serviceAnnotations"]
+    upgrade = notes(values, is_upgrade=True)
+    assert """kubectl -n dflash patch service dflash-grpc -p '{"spec":{"type":"LoadBalancer"}}'""" in upgrade
+    assert ("kubectl -n dflash annotate service dflash-grpc --overwrite "
+            "'service.beta.kubernetes.io/aws-load-balancer-type=nlb'") in upgrade
+    assert "patch service" not in notes(values, is_install=True)
+    with_tls = notes({"tls": {"enabled": True, "existingSecret": "t"}, **values}, is_upgrade=True)
+    assert """patch service dflash-grpc -p '{"spec":{"type":"ClusterIP"}}'""" in with_tls
+    assert "annotate service dflash-grpc" not in with_tls  # with TLS they are on the front's Service, Helm's
+    tls_objs = objects(render({"tls": {"enabled": True, "existingSecret": "t"}, **values}))
+    tls_service = one(tls_objs, "Service", "-grpc-tls")
+    assert tls_service["metadata"]["annotations"] == values["grpc"]["serviceAnnotations"]
 
 
 # 6. A GPU pod never runs on the CPU -----------------------------------------------------------------------
@@ -802,7 +972,7 @@ def test_tls_front_serves_the_public_port():
     assert args.cert == f"{mount['mountPath']}/tls.crt" and args.key == f"{mount['mountPath']}/tls.key"
     volume = {v["name"]: v for v in spec["volumes"]}[mount["name"]]
     assert volume["secret"]["secretName"] == values["tls"]["existingSecret"] == "dflash-tls"
-    svc = one(objs, "Service", "-grpc")
+    svc = one(objs, "Service", "-grpc-tls")
     assert svc["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
     assert svc["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
     (port,) = svc["spec"]["ports"]

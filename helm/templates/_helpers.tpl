@@ -110,17 +110,21 @@ never does. Pass (dict "ctx" $ "role" r). */}}
 {{- if ne .role "head" }}true{{ end }}
 {{- end }}
 
-{{/* The public gRPC Service: KubeRay's serve Service, or with tls.enabled the TLS front's (service-grpc.yaml). */}}
-{{- define "dflash.grpcServiceName" -}}
+{{/*
+KubeRay's serve Service (spec.serveService): "<full name>-grpc" with tls.enabled on or off. KubeRay creates
+it, and Helm refuses to adopt an object its release did not create, so no Service of the chart may ever
+take this name, and this name never changes with TLS (which would leave KubeRay's old one behind).
+*/}}
+{{- define "dflash.serveServiceName" -}}
 {{- printf "%s-grpc" (include "dflash.fullname" .) }}
 {{- end }}
 
-{{/* KubeRay's serve Service (spec.serveService): public without TLS, the TLS front's upstream with it. */}}
-{{- define "dflash.serveServiceName" -}}
+{{/* The Service clients call: KubeRay's serve Service, or with tls.enabled the TLS front's own (service-grpc.yaml). */}}
+{{- define "dflash.grpcServiceName" -}}
 {{- if .Values.tls.enabled }}
-{{- printf "%s-serve" (include "dflash.fullname" .) }}
+{{- printf "%s-grpc-tls" (include "dflash.fullname" .) }}
 {{- else }}
-{{- include "dflash.grpcServiceName" . }}
+{{- include "dflash.serveServiceName" . }}
 {{- end }}
 {{- end }}
 

@@ -290,6 +290,16 @@ start (cache claim) finds the files and only checks them.
     {{- include "dflash.rayVolumeMounts" . | nindent 4 }}
 {{- end }}
 
+{{/* A group's values that KubeRay's cluster hash mutes: min/max replicas (workers) and tolerations (all groups). */}}
+{{- define "dflash.unhashedSpec" -}}
+{{- if eq .role "head" }}
+{{- dict "tolerations" .ctx.Values.head.tolerations | toJson }}
+{{- else }}
+{{- $pods := (index .ctx.Values .role).pods }}
+{{- dict "minReplicas" (int $pods.minReplicas) "maxReplicas" (int $pods.maxReplicas) "tolerations" $pods.tolerations | toJson }}
+{{- end }}
+{{- end }}
+
 {{/* The pod template of a Ray group. */}}
 {{- define "dflash.rayPodTemplate" -}}
 {{- $v := .ctx.Values -}}
@@ -298,17 +308,19 @@ metadata:
   labels:
     {{- include "dflash.podLabels" (dict "ctx" .ctx "component" "ray") | nindent 4 }}
     dflash.dev/role: {{ .role }}
-  {{- if or (eq .role "head") $v.podAnnotations }}
   annotations:
     {{- if eq .role "head" }}
     # Serve's gRPC proxy options (port, servicers, timeout), which Serve applies only when it starts: their
     # hash here makes KubeRay start a new cluster when they change (upgradeStrategy) instead of ignoring them.
     dflash.dev/grpc-options: {{ include "dflash.grpcOptions" .ctx | sha256sum | trunc 16 | quote }}
     {{- end }}
+    # What KubeRay leaves out of its cluster hash (utils/util.go, GenerateHashWithoutReplicasAndWorkersToDelete):
+    # a worker group's min/max replicas and every group's tolerations. Their hash here makes a change of them
+    # go through upgradeStrategy like any cluster change, instead of never reaching the running RayCluster.
+    dflash.dev/unhashed-spec: {{ include "dflash.unhashedSpec" . | sha256sum | trunc 16 | quote }}
     {{- with $v.podAnnotations }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
-  {{- end }}
 spec:
   serviceAccountName: {{ if eq .role "head" }}{{ include "dflash.headServiceAccountName" .ctx }}{{ else }}{{ include "dflash.serviceAccountName" .ctx }}{{ end }}
   automountServiceAccountToken: false
