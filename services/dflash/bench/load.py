@@ -1,7 +1,9 @@
 """Service load mode: a sweep over concurrencies, DFlash beside target only through one running
-service, a fixed amount of work per cell; and the one-request streaming client it is built on.
+service (and any OpenAI-compatible servers beside it), a fixed amount of work per cell; and the
+one-request streaming client it is built on.
 
-No torch here: this is a plain gRPC client of the public `dflash.v1.Generation` API.
+No torch here: this is a plain gRPC client of the public `dflash.v1.Generation` API (openai_client.py
+is the OpenAI API's).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ..errors import DFlashError
 
 if TYPE_CHECKING:
     from ..api.v1 import generate_pb2, generate_pb2_grpc
+    from .openai_client import OpenAIClient
 
 CONNECT_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 600.0
@@ -62,10 +65,15 @@ class Record:
     verify_s: float = 0.0
     finished: bool = False
     error: str | None = None  # the gRPC status code name, with details
+    completion_tokens: int | None = None  # the server's count, when the client sees text, not ids (OpenAI API)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) if self.completion_tokens is None else self.completion_tokens
 
     @property
     def tpot_s(self) -> float | None:
-        n = len(self.token_ids) - self.first_chunk
+        n = self.num_tokens - self.first_chunk
         return self.decode_s / n if self.finished and n > 0 else None
 
 
@@ -125,10 +133,12 @@ def stream_request(client: Client, prompt_ids: str | Sequence[int], max_new_toke
 
 @dataclass(frozen=True)
 class LoadMethod:
-    """What one method puts in the request: `block_size` None leaves it unset (the service's default)."""
+    """What one method puts in the request: `block_size` None leaves it unset (the service's default).
+    With `openai_url` (".../v1"), the request goes to that OpenAI-compatible server instead."""
 
     name: str
     block_size: int | None
+    openai_url: str = ""
 
 
 METHODS = (LoadMethod("dflash", None), LoadMethod("target-only", 1))
@@ -138,7 +148,7 @@ METHODS = (LoadMethod("dflash", None), LoadMethod("target-only", 1))
 class SweepSettings:
     """One sweep: at each concurrency c, each method runs c streams of `requests_per_stream` requests."""
 
-    address: str
+    address: str  # the gRPC service ("" when every method is an OpenAI-compatible server)
     concurrencies: tuple[int, ...]
     requests_per_stream: int = 2
     max_new_tokens: int = 128
@@ -148,11 +158,12 @@ class SweepSettings:
     warmup_requests: int = 1  # per method, before the sweep, not counted
     methods: tuple[LoadMethod, ...] = METHODS
     token: str = field(default="", repr=False)
+    openai_token: str = field(default="", repr=False)  # the OpenAI servers' API key ("": token)
 
     def public(self) -> dict:
-        """The settings as written to load.json (no token)."""
+        """The settings as written to load.json (no tokens)."""
         d = asdict(self)
-        del d["token"]
+        del d["token"], d["openai_token"]
         return d
 
 
@@ -174,14 +185,14 @@ def run_sweep(settings: SweepSettings, prompts: list, progress: Callable[[dict],
     policy learns the batch's costs); `progress(cell)` is called as each cell finishes."""
     if not prompts:
         raise DFlashError("the load mode needs at least one prompt")
-    client = connect(settings.address, settings.token)
+    clients = connect_all(settings)
     for method in settings.methods:
         for i in range(settings.warmup_requests):
-            _one(client, settings, method, prompts[i % len(prompts)], i, None)
+            _one(clients[method.name], settings, method, prompts[i % len(prompts)], i, None)
     cells = []
     for k, concurrency in enumerate(settings.concurrencies):
         for method in settings.methods if k % 2 == 0 else settings.methods[::-1]:
-            records, wall_s = run_cell(client, settings, method, concurrency, prompts)
+            records, wall_s = run_cell(clients[method.name], settings, method, concurrency, prompts)
             cells.append(summarize_cell(method.name, concurrency, records, wall_s))
             if progress is not None:
                 progress(cells[-1])
@@ -189,7 +200,22 @@ def run_sweep(settings: SweepSettings, prompts: list, progress: Callable[[dict],
     return {"settings": settings.public(), "cells": cells, "ratios": method_ratios(cells, settings.methods)}
 
 
-def run_cell(client: Client, settings: SweepSettings, method: LoadMethod, concurrency: int,
+def connect_all(settings: SweepSettings) -> dict[str, Client | OpenAIClient]:
+    """A client per method: one gRPC client shared by the service's methods, one per OpenAI server."""
+    from .openai_client import OpenAIClient
+
+    grpc_client = None
+    clients: dict[str, Client | OpenAIClient] = {}
+    for method in settings.methods:
+        if method.openai_url:
+            clients[method.name] = OpenAIClient(method.openai_url, settings.openai_token or settings.token)
+        else:
+            grpc_client = grpc_client or connect(settings.address, settings.token)
+            clients[method.name] = grpc_client
+    return clients
+
+
+def run_cell(client: Client | OpenAIClient, settings: SweepSettings, method: LoadMethod, concurrency: int,
              prompts: list) -> tuple[list[Record], float]:
     """`concurrency` streams, each sending `requests_per_stream` requests one after another; stream k's
     j-th request is request r = j * concurrency + k: prompt r (cycling), seed r. Returns the records and
@@ -217,9 +243,12 @@ def run_cell(client: Client, settings: SweepSettings, method: LoadMethod, concur
     return [r for rs in records for r in rs], max(ends) - starts[0]
 
 
-def _one(client: Client, settings: SweepSettings, method: LoadMethod, prompt: str | Sequence[int], seed: int,
-         deadline: float | None) -> Record:
+def _one(client: Client | OpenAIClient, settings: SweepSettings, method: LoadMethod, prompt: str | Sequence[int],
+         seed: int, deadline: float | None) -> Record:
     try:
+        if method.openai_url:
+            return client.stream(prompt, settings.max_new_tokens, settings.temperature, seed, deadline,
+                                 settings.ignore_eos)
         return stream_request(client, prompt, settings.max_new_tokens, settings.temperature, seed,
                               method.block_size, deadline=deadline, ignore_eos=settings.ignore_eos)
     except Exception as exc:  # a client bug must show up in the result, not vanish with its thread
@@ -234,7 +263,7 @@ def summarize_cell(method: str, concurrency: int, records: list[Record], wall_s:
     tpot = [r.tpot_s * 1000 for r in records if r.tpot_s is not None]
     committed = [n for r in records for n in r.committed]
     errors = [r.error for r in records if r.error]
-    tokens = sum(len(r.token_ids) for r in records)
+    tokens = sum(r.num_tokens for r in records)
     return {
         "method": method, "concurrency": concurrency, "wall_s": round(wall_s, 4),
         "requests": len(records), "completed": sum(r.finished for r in records),

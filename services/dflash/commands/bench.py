@@ -2,7 +2,8 @@
 
 Three modes: the comparison (default; ends with a profile of one round), `--profile` (the profile
 alone) and `--load 1,2,4,...` (a sweep over concurrent streaming clients of a running service, DFlash
-beside target only at each concurrency).
+beside target only at each concurrency, and beside any OpenAI-compatible server given with --openai:
+vLLM, or our own HTTP API, on the same prompts with the same load).
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--load", metavar="N[,N...]",
                    help="load mode: a sweep over these concurrencies (e.g. 1,2,4,8,16) against --service; at each, "
                         "the service's default block (dflash) and block 1 (target-only), writes load.json, load.png")
+    p.add_argument("--openai", metavar="[NAME=]URL", action="append", default=[],
+                   help="load mode: also measure this OpenAI-compatible server (its base URL, e.g. "
+                        "http://127.0.0.1:8000/v1; vLLM, SGLang or `dflash serve`'s own) with the same prompts and "
+                        "load; NAME labels its column (default: its host:port); repeatable, --service optional")
+    p.add_argument("--openai-token", default="", help="API key for the --openai servers (default: --service-token)")
     p.add_argument("--requests-per-stream", type=int, default=2, metavar="N",
                    help="load mode: requests each concurrent stream sends, one after another (default 2)")
     p.add_argument("--duration", type=float, metavar="S",
@@ -88,6 +94,8 @@ def resolve(args: argparse.Namespace) -> BenchArgs:
         raise DFlashError(f"--temperatures: expected numbers like 0,1, got {args.temperatures!r}") from None
     if any(t < 0 for t in temperatures):
         raise DFlashError(f"--temperatures must be >= 0, got {args.temperatures!r}")
+    if args.openai and not args.load:
+        raise DFlashError("--openai: measured in load mode; add --load 1,2,4 (the concurrencies)")
     if not 0.0 < args.draft_confidence < 1.0:  # 0 would make dflash16c the dflash16 method again
         raise DFlashError(f"--draft-confidence must be in (0, 1), got {args.draft_confidence}")
     for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
@@ -177,9 +185,10 @@ def command_line(args: argparse.Namespace) -> str:
     for key, value in vars(args).items():
         if key in ("handler", "command") or value == defaults.get(key):
             continue
-        words.append("--" + key.replace("_", "-"))
-        if value is not True:
-            words.append("<token>" if key == "service_token" else str(value))
+        for one in value if isinstance(value, list) else [value]:
+            words.append("--" + key.replace("_", "-"))
+            if one is not True:
+                words.append("<token>" if key in ("service_token", "openai_token") else str(one))
     return shlex.join(words)
 
 
@@ -228,14 +237,16 @@ def profile_text(engine: SpeculativeEngine, baseline: SpeculativeEngine, prompt_
 
 
 def run_load_mode(args: argparse.Namespace, settings: BenchArgs) -> int:
-    from ..bench.load import SweepSettings, parse_concurrencies, run_sweep
+    from ..bench.load import METHODS, SweepSettings, parse_concurrencies, run_sweep
     from ..bench.load_report import format_sweep, machine, write_outputs
 
     concurrencies = parse_concurrencies(args.load)
-    if not args.service:
-        raise DFlashError("--load needs --service HOST:PORT of a running `dflash serve`")
-    sweep = SweepSettings(args.service, concurrencies, args.requests_per_stream, settings.max_new_tokens,
-                          settings.temperatures[0], duration_s=settings.duration_s, token=args.service_token)
+    if not args.service and not args.openai:
+        raise DFlashError("--load needs --service HOST:PORT of a running `dflash serve`, or --openai URL")
+    methods = (METHODS if args.service else ()) + openai_methods(args.openai)
+    sweep = SweepSettings(args.service or "", concurrencies, args.requests_per_stream, settings.max_new_tokens,
+                          settings.temperatures[0], duration_s=settings.duration_s, methods=methods,
+                          token=args.service_token, openai_token=args.openai_token or args.service_token)
     prompts = read_prompts(args, settings.num_prompts)
     result = run_sweep(sweep, prompts, progress=_print_cell)
     print(format_sweep(result))
@@ -243,6 +254,25 @@ def run_load_mode(args: argparse.Namespace, settings: BenchArgs) -> int:
     paths = write_outputs(args.out, result, meta)
     print("\nwrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
+
+
+def openai_methods(values: list[str]) -> tuple:
+    """A load method per `--openai [NAME=]URL`; DFlashError for a URL that is not http(s) or a repeated name."""
+    from urllib.parse import urlparse
+
+    from ..bench.load import LoadMethod
+
+    methods = []
+    for value in values:
+        name, sep, url = value.partition("=") if "=" in value.split("://")[0] else ("", "", value)
+        parsed = urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise DFlashError(f"--openai: expected [NAME=]http://HOST:PORT/v1, got {value!r}")
+        methods.append(LoadMethod(name or parsed.netloc, None, openai_url=url.rstrip("/")))
+    names = [m.name for m in methods]
+    if len(set(names)) < len(names) or {"dflash", "target-only"} & set(names):
+        raise DFlashError(f"--openai: each server needs its own NAME (not dflash or target-only), got {names}")
+    return tuple(methods)
 
 
 def _print_cell(cell: dict) -> None:

@@ -1,4 +1,5 @@
-"""`dflash serve`: everything on one machine (local Ray, Redis, the demo pair), gRPC on 127.0.0.1."""
+"""`dflash serve`: everything on one machine (local Ray, Redis, the demo pair), gRPC and the
+OpenAI-compatible HTTP API on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="address the public gRPC port listens on (default 127.0.0.1; 0.0.0.0: every "
                    "interface)")
     p.add_argument("--port", type=int, help="public gRPC port (default 9000)")
+    p.add_argument("--openai-host", help="address the OpenAI-compatible HTTP API listens on (default: --host's)")
+    p.add_argument("--openai-port", type=int, help="port of the OpenAI-compatible HTTP API (default: a free one, "
+                   "printed; 0 too)")
+    p.add_argument("--no-openai", dest="openai", action="store_false", default=None,
+                   help="serve gRPC alone, without the OpenAI-compatible HTTP API")
     p.add_argument("--redis-url", help="use this Redis instead of starting one")
     p.add_argument("--drafter-replicas", type=int, help="drafter replicas in disaggregated mode")
     p.add_argument("--tls-cert", help="PEM certificate chain: serve the public port over TLS (with --tls-key)")
@@ -52,6 +58,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
     return load_config(args.config or os.environ.get("DFLASH_CONFIG"), overrides={
         "model.target": args.target, "model.drafter": args.drafter, "model.device": args.device,
         "mode": args.mode, "grpc_host": args.host, "grpc_port": args.port, "redis.url": args.redis_url,
+        "openai.enabled": args.openai, "openai.host": args.openai_host, "openai.port": args.openai_port,
         "drafter.num_replicas": args.drafter_replicas, "tls.cert_file": args.tls_cert,
         "tls.key_file": args.tls_key, "tls.client_ca_file": args.tls_client_ca,
         "scheduler.stream_interval": args.stream_interval, "scheduler.verify_policy": args.verify_policy,
@@ -67,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
     tls = " over TLS" if service.config.tls.enabled else ""
     print(f"dflash: serving dflash.v1.Generation on {service.address}{tls} ({service.config.mode}, "
           f"sessions in {redact_credentials(service.config.redis.url)}); Ctrl-C stops", file=sys.stderr, flush=True)
+    if service.openai_url:
+        print(f"dflash: serving the OpenAI-compatible API on {service.openai_url} (model "
+              f"'{service.config.model_name}')", file=sys.stderr, flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

@@ -186,7 +186,10 @@ def build(args: dict | None = None) -> Application:
     if config.mode == "disaggregated":
         drafters = DrafterDeployment.options(**config.serve_options("drafter")).bind(tree)
     verifier = VerifierDeployment.options(**config.serve_options("verifier")).bind(tree, drafters)
-    return IngressDeployment.options(**config.serve_options("ingress")).bind(verifier, tree)
+    ingress = IngressDeployment
+    if config.openai.enabled:  # the same ingress, plus the OpenAI API on Serve's HTTP proxy
+        from .openai_api import OpenAIIngressDeployment as ingress
+    return ingress.options(**config.serve_options("ingress")).bind(verifier, tree)
 
 
 def grpc_options(config: ServiceConfig) -> gRPCOptions:

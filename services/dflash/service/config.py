@@ -181,6 +181,19 @@ class TlsConfig:
 
 
 @dataclass(frozen=True, config=_KEYS)
+class OpenAIConfig:
+    """The OpenAI-compatible HTTP API (openai_api.py), on Ray Serve's HTTP proxy beside gRPC.
+
+    `dflash serve` starts that proxy on host:port; on a cluster the Serve config's http_options place
+    it (the chart), and only `enabled` is read. Plaintext: the TLS front serves gRPC alone.
+    """
+
+    enabled: bool = True
+    host: str = ""  # "": grpc_host
+    port: Port = 0  # 0: a free port (`dflash serve` prints the URL)
+
+
+@dataclass(frozen=True, config=_KEYS)
 class ServiceConfig:
     """Everything `dflash serve` and the Ray Serve application need."""
 
@@ -204,6 +217,7 @@ class ServiceConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
+    openai: OpenAIConfig = field(default_factory=OpenAIConfig)
     torch_threads: int = 0  # per replica; 0 leaves torch's default
     # "ray" (exported by Ray's Prometheus endpoint), "prometheus" (own registry), "none"
     metrics: Literal["ray", "prometheus", "none"] = "ray"

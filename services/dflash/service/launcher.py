@@ -4,7 +4,8 @@ Used by `dflash serve` and by the service tests. On a cluster, the Helm chart de
 KubeRay's serveConfigV2 instead, with the same configuration tree.
 
 What it protects (docs/security.md): Serve's gRPC proxy listens on grpc_host only (loopback by
-default), its HTTP proxy on loopback; the redis-server child listens on loopback with a generated
+default), its HTTP proxy (the OpenAI API) on openai.host, grpc_host unless set, or on loopback when the
+API is off; the redis-server child listens on loopback with a generated
 password and is restarted when it dies; the drafter replicas get a generated shared token.
 """
 
@@ -39,6 +40,14 @@ class LocalService:
     @property
     def address(self) -> str:
         return f"{self.config.grpc_host}:{self.config.grpc_port}"
+
+    @property
+    def openai_url(self) -> str | None:
+        """The OpenAI-compatible API's base URL (what the `openai` client takes), None when it is off."""
+        if not self.config.openai.enabled:
+            return None
+        host = openai_host(self.config)
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.config.openai.port}/v1"
 
     def deploy(self, config: ServiceConfig, timeout_s: float = 180) -> None:
         """(Re)deploy the application with a new configuration (same Redis, same Ray)."""
@@ -101,13 +110,14 @@ def start_local(config: ServiceConfig, num_cpus: int | None = None, timeout_s: f
     if not config.drafter_net.token:  # the internal Drafter API is never open on this machine
         config = dataclasses.replace(config, drafter_net=dataclasses.replace(config.drafter_net,
                                                                              token=secrets.token_urlsafe(32)))
+    if config.openai.enabled and not config.openai.port:
+        config = dataclasses.replace(config, openai=dataclasses.replace(config.openai, port=free_port()))
     config, redis = resolve_redis(config)
     service = LocalService(config, redis)
     try:
         ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False,
                  runtime_env={"worker_process_setup_hook": grpc_proxy_bind_hook(proxy_host)})
-        serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
-                    grpc_options=grpc_options(proxy))
+        serve.start(http_options=http_options(config), grpc_options=grpc_options(proxy))
         service.deploy(config, timeout_s)
         check_listens_only_on(proxy_host, proxy.grpc_port, ray.util.get_node_ip_address())
         if front is not None:
@@ -116,6 +126,21 @@ def start_local(config: ServiceConfig, num_cpus: int | None = None, timeout_s: f
         service.stop()
         raise
     return service
+
+
+def openai_host(config: ServiceConfig) -> str:
+    return config.openai.host or config.grpc_host
+
+
+def http_options(config: ServiceConfig) -> dict:
+    """Serve's HTTP proxy: the OpenAI API's host and port, or a free loopback port when the API is off."""
+    if not config.openai.enabled:
+        return {"host": "127.0.0.1", "port": free_port()}
+    host = openai_host(config)
+    if config.tls.enabled and not host.startswith("127.") and host not in ("localhost", "::1"):
+        log.warning("openai.host %s: the OpenAI API is plaintext (TLS covers the gRPC port only); put a TLS proxy "
+                    "in front of it or keep it on loopback", host)
+    return {"host": host, "port": config.openai.port}
 
 
 def grpc_proxy_bind_hook(host: str) -> Callable[[], None]:
@@ -160,12 +185,15 @@ def check_listens_only_on(host: str, port: int, other_address: str) -> None:
 
 
 def _with_secrets_of(config: ServiceConfig, running: ServiceConfig) -> ServiceConfig:
-    """`config` with the running service's Redis (its URL holds the generated password) and, when it
-    names none, the drafter token generated at start."""
+    """`config` with the running service's Redis (its URL holds the generated password), its HTTP
+    proxy's address and, when it names none, the drafter token generated at start."""
     net = config.drafter_net
     if not net.token:
         net = dataclasses.replace(net, token=running.drafter_net.token)
-    return dataclasses.replace(config, redis=dataclasses.replace(config.redis, url=running.redis.url), drafter_net=net)
+    # Serve's HTTP proxy keeps the port it started on.
+    openai = dataclasses.replace(config.openai, host=running.openai.host, port=running.openai.port)
+    return dataclasses.replace(config, redis=dataclasses.replace(config.redis, url=running.redis.url), drafter_net=net,
+                               openai=openai)
 
 
 def _wait_running(app_name: str, timeout_s: float) -> None:
