@@ -9,7 +9,6 @@ import grpc
 import pytest
 from dflash.api.v1 import generate_pb2_grpc
 from dflash.drafter.checkpoint import save_drafter
-from dflash.service.async_stream import iterate_in_thread
 from dflash.service.ingress import Rejected
 from dflash.service.redis_process import RedisProcess, redis_server_path
 from tiny import char_tokenizer, tiny_drafter, tiny_target
@@ -78,7 +77,7 @@ class IngressServicer(generate_pb2_grpc.GenerationServicer):
         """Called as each Generate call arrives."""
 
     def _open_stream(self, verify, carrier):
-        return iterate_in_thread(lambda cancelled: self.verifier.stream(verify, carrier, cancelled))
+        return self.verifier.stream_async(verify, carrier)
 
 
 def wait_until(predicate, timeout_s: float = 10.0, what: str = "the condition", interval_s: float = 0.02):

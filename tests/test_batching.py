@@ -140,19 +140,20 @@ def test_concurrent_streams_batch_into_shared_steps(pair):
 
 
 def test_stream_interval_sends_fewer_larger_batches_and_the_same_tokens(pair):
-    """With the step loop running, a stream is woken for its first token, then once it has
-    `stream_interval` tokens waiting, and at its end: every batch between holds at least that many, and
-    each of 8 requests streamed at once (mixed lengths, temperatures, stops) gets exactly its solo output."""
+    """With the step loop running, a stream gets its first token at once, then what is ready at most
+    every `stream_interval_ms`, and its end: each of 8 requests streamed at once (mixed lengths,
+    temperatures, stops; one with its own interval 0) gets exactly its solo output, in fewer batches."""
     target, drafter = pair
     requests = [(p, SamplingParams(max_new_tokens=40, ignore_eos=True, block_size=b))
                 for p, b in zip(prompts(4, seed=21), (None, 1, 4, None))] + mixed_requests(4)
     solo = [engine_for(target, drafter, char_tokenizer()).run(*r).token_ids for r in requests]
     got = {}
-    for interval in (1, 6):
-        config = SchedulerConfig(verify_policy="full", stream_interval=interval)
+    for interval_ms in (0, 40):
+        config = SchedulerConfig(verify_policy="full", stream_interval_ms=interval_ms)
         engine = engine_for(target, drafter, char_tokenizer(), config=config)
         engine.start_loop()
-        gens = [engine.start(p, params) for p, params in requests]
+        gens = [engine.start(p, params, stream_interval_ms=0 if i == 7 else None)
+                for i, (p, params) in enumerate(requests)]
         batches: dict[int, list] = {}
 
         def read(i: int, gen, engine=engine, batches=batches) -> None:
@@ -166,10 +167,36 @@ def test_stream_interval_sends_fewer_larger_batches_and_the_same_tokens(pair):
             reader.join(120)
         tokens_of = [[t for batch in batches[i] for r in batch for t in r.token_ids] for i in range(len(gens))]
         assert tokens_of == solo
-        got[interval] = [[sum(len(r.token_ids) for r in batch) for batch in batches[i]] for i in range(len(gens))]
-    for sizes in got[6]:  # the first batch holds the first token, the last the end; each between >= 6
-        assert all(n >= 6 for n in sizes[1:-1])
-    assert sum(map(len, got[6])) < sum(map(len, got[1]))
+        assert all(batches[i][0][0].token_ids for i in range(len(gens)))  # the first token alone, at once
+        assert all(len(batches[i][0]) == 1 for i in range(len(gens)))
+        got[interval_ms] = [len(batches[i]) for i in range(len(gens))]
+    assert sum(got[40][:7]) < sum(got[0][:7])
+
+
+def test_a_stream_is_woken_for_its_first_token_its_end_and_then_once_per_interval():
+    """Generation.worth_streaming, the engine's rule at the end of every step."""
+    from dflash.generation import Generation, RoundOutput
+    from dflash.stats import GenerationStats, RoundStats
+
+    gen = Generation("r", [1, 2], SamplingParams(max_new_tokens=8), 1, frozenset())
+    assert not gen.worth_streaming(0.0, 0.05)  # nothing to send
+    gen.outbox.append(RoundOutput([3], "", RoundStats(0, 0, 0, 1, 0, 0.0, 1.0), GenerationStats()))
+    assert gen.worth_streaming(0.0, 0.05)  # its first output: at once
+    gen.woken_at = 10.0
+    gen.outbox.append(RoundOutput([4], "", RoundStats(1, 0, 0, 1, 0, 0.0, 1.0), GenerationStats()))
+    assert not gen.worth_streaming(10.04, 0.05) and gen.worth_streaming(10.05, 0.05)
+    gen.stream_interval_s = 0.0  # the request's own interval wins over the engine's
+    assert gen.worth_streaming(10.001, 0.05)
+    gen.stream_interval_s, gen.finish_reason = None, "length"
+    assert gen.worth_streaming(10.001, 0.05)  # its end: at once
+    assert [r.token_ids for r in gen.take_ready()] == [[3], [4]] and not gen.outbox
+
+
+def test_a_request_stream_interval_out_of_range_is_refused_naming_the_field(pair):
+    target, drafter = pair
+    engine = engine_for(target, drafter, char_tokenizer())
+    with pytest.raises(InvalidRequestError, match="stream_interval_ms: must be between 0 and 10000"):
+        engine.start(prompts(1)[0], SamplingParams(max_new_tokens=4), stream_interval_ms=20_000)
 
 
 def test_a_drafted_rounds_verify_estimate_follows_what_was_verified():

@@ -99,11 +99,11 @@ def test_serve_prints_a_config_error_as_one_line(tmp_path, capsys, monkeypatch):
 
 def test_serve_flags_set_the_scheduler(monkeypatch):
     monkeypatch.delenv("DFLASH_CONFIG", raising=False)
-    monkeypatch.setenv("DFLASH_SCHEDULER__STREAM_INTERVAL", "4")
+    monkeypatch.setenv("DFLASH_SCHEDULER__STREAM_INTERVAL_MS", "4")
     args = build_parser().parse_args(["serve", "--verify-policy", "full"])
-    assert service_config(args).scheduler.stream_interval == 4  # the environment, no flag
-    args = build_parser().parse_args(["serve", "--stream-interval", "8", "--verify-policy", "full"])
+    assert service_config(args).scheduler.stream_interval_ms == 4  # the environment, no flag
+    args = build_parser().parse_args(["serve", "--stream-interval-ms", "8", "--verify-policy", "full"])
     scheduler = service_config(args).scheduler
-    assert (scheduler.stream_interval, scheduler.verify_policy) == (8, "full")
-    with pytest.raises(ConfigError, match="scheduler.stream_interval"):
-        service_config(build_parser().parse_args(["serve", "--stream-interval", "0"]))
+    assert (scheduler.stream_interval_ms, scheduler.verify_policy) == (8, "full")
+    with pytest.raises(ConfigError, match="scheduler.stream_interval_ms"):
+        service_config(build_parser().parse_args(["serve", "--stream-interval-ms", "-1"]))

@@ -15,7 +15,6 @@ from dflash.api.v1 import generate_pb2
 from dflash.drafter.protocol import DraftSampling
 from dflash.loading import build_engine
 from dflash.params import SamplingParams
-from dflash.service.async_stream import iterate_in_thread
 from dflash.service.config import ServiceConfig
 from dflash.service.drafter_server import DrafterServer
 from dflash.service.ingress import Ingress
@@ -171,16 +170,43 @@ def test_prompt_over_the_context_is_invalid(service):
     assert err.code == "INVALID_ARGUMENT" and err.message.startswith("prompt")
 
 
+def test_async_streams_of_8_mixed_requests_get_their_solo_output_and_round_stats(service):
+    """The server's path (Verifier.stream_async: coroutines on one event loop, woken once per step): 8
+    requests at once (lengths, temperatures, stops; one with its own stream interval 0) each get the
+    tokens and the per-round stats (draft, accepted, committed) of their solo run, every round once."""
+    verifier = service[0]
+    mixed = [dict(max_new_tokens=10 + 6 * i, ignore_eos=i % 3 != 0, temperature=(0.0, 0.9)[i % 2], seed=40 + i,
+                  stop=("\n\n",) if i % 4 == 1 else ()) for i in range(8)]
+
+    def request(i, tag, **kw):
+        return dataclasses.replace(VerifyRequest(f"{tag}-{i}", mixed[i], prompt_text=PROMPTS[i % 3] + " " * i), **kw)
+
+    def stats(chunks):
+        return [(r.index, r.draft_tokens, r.accepted_tokens, r.committed) for c in chunks for r in c.rounds]
+
+    solo = [run(verifier, request(i, "solo")) for i in range(8)]
+
+    async def together():
+        async def one(i):
+            return [c async for c in verifier.stream_async(request(i, "together", stream_interval_ms=0 if i == 5
+                                                                             else None))]
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    for want, got in zip(solo, asyncio.run(together())):
+        assert not any(isinstance(c, StreamError) for c in got), got
+        assert tokens_of(got) == tokens_of(want) and stats(got) == stats(want)
+        assert [i for i, *_ in stats(got)] == list(range(len(stats(got))))  # every round once, in order
+        assert got[-1].final.finish_reason == want[-1].final.finish_reason
+        assert "".join(c.text for c in got) == "".join(c.text for c in want)
+
+
 def test_one_trace_per_request_with_rounds_and_drafter_spans(service):
     verifier = service[0]
     ingress = Ingress(config_for(("t", "d"), "redis://unused", model__name="tiny"))
 
-    def open_stream(verify, carrier):
-        return iterate_in_thread(lambda cancelled: verifier.stream(verify, carrier, cancelled))
-
     async def consume():
         request = generate_pb2.GenerateRequest(prompt=PROMPTS[2], max_new_tokens=12, ignore_eos=True)
-        return [c async for c in ingress.generate(request, {}, open_stream)]
+        return [c async for c in ingress.generate(request, {}, verifier.stream_async)]
 
     EXPORTER.clear()
     chunks = asyncio.run(consume())
@@ -212,17 +238,18 @@ def test_cancelled_request_stops_and_frees_caches(service):
 
     async def consume_two():
         got = []
-        async for chunk in iterate_in_thread(lambda cancelled: verifier.stream(request, None, cancelled)):
+        async for chunk in verifier.stream_async(request):
             got.append(chunk)
             if len(got) == 3:
                 break  # the client went away
         return got
 
     assert len(asyncio.run(consume_two())) == 3
-    # the stream's thread notices between rounds
     wait_until(lambda: store.get(request.session_id).status == "cancelled", 10, "the session to be cancelled")
-    assert all(s.sessions.drafter.num_sessions == 0 for s in servers)
-    assert verifier.engine.cache.num_sessions == 0 and verifier.engine.cache.reserved_tokens == 0
+    # the step loop frees them after the step in progress
+    wait_until(lambda: all(s.sessions.drafter.num_sessions == 0 for s in servers), 10, "drafter sessions freed")
+    wait_until(lambda: verifier.engine.cache.num_sessions == 0 == verifier.engine.cache.reserved_tokens, 10,
+               "the verifier's cache freed")
 
 
 def test_windowed_context_restart_keeps_output_exact(service):

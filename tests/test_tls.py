@@ -27,7 +27,6 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from dflash.api.v1 import generate_pb2, generate_pb2_grpc
 from dflash.cli import main as dflash_main
-from dflash.service.async_stream import iterate_in_thread
 from dflash.service.client import GenerationClient
 from dflash.service.config import ConfigError, ServiceConfig, TlsConfig, load_config
 from dflash.service.ingress import Ingress
@@ -110,20 +109,19 @@ class Upstream(IngressServicer):
         self.seen.append((metadata, context.time_remaining()))
 
     def _open_stream(self, verify, carrier):
-        def make(cancelled):
-            self.cancelled.append(cancelled)
-            return self._gated(self.verifier.stream(verify, carrier, cancelled), cancelled)
+        ended = threading.Event()  # set when the upstream stream ends (finished or cancelled)
+        self.cancelled.append(ended)
+        return self._gated(self.verifier.stream_async(verify, carrier), ended)
 
-        return iterate_in_thread(make)
-
-    def _gated(self, chunks, cancelled):
+    async def _gated(self, chunks, ended):
         try:
-            for chunk in chunks:
+            async for chunk in chunks:
                 yield chunk
-                while not self.gate.wait(0.05) and not cancelled.is_set():
-                    pass
+                while not self.gate.is_set():
+                    await asyncio.sleep(0.05)
         finally:
-            chunks.close()
+            await chunks.aclose()
+            ended.set()
 
 
 def on(loop, coroutine, timeout_s: float = 30):

@@ -52,7 +52,7 @@ own request counts. The ingress asks for no CPU: the head offers none (only its 
 {{- $redis := dict "ttl_s" (int $v.sessions.ttlSeconds) "key_prefix" $v.sessions.keyPrefix "socket_timeout_s" (float64 $v.sessions.socketTimeoutSeconds) }}
 {{- $net := dict "port" (int $v.drafter.net.port) "timeout_s" (float64 $v.drafter.net.timeoutSeconds) "retry_after_s" (float64 $v.drafter.net.retryAfterSeconds) "chunk_bytes" (int $v.drafter.net.chunkBytes) "max_sessions" (int $v.drafter.net.maxSessions) "workers" (int $v.drafter.net.workers) "context_window" (int $v.drafter.net.contextWindow) }}
 {{- $sched := $v.verifier.scheduler }}
-{{- $scheduler := dict "max_running" (int $sched.maxRunningSessions) "max_step_tokens" (int $sched.maxStepTokens) "max_queued" (int $sched.maxQueuedSessions) "cache_tokens" (int $sched.cacheTokens) "verify_policy" $sched.verifyPolicy "stream_interval" (int $sched.streamInterval) }}
+{{- $scheduler := dict "max_running" (int $sched.maxRunningSessions) "max_step_tokens" (int $sched.maxStepTokens) "max_queued" (int $sched.maxQueuedSessions) "cache_tokens" (int $sched.cacheTokens) "verify_policy" $sched.verifyPolicy "stream_interval_ms" $sched.streamIntervalMs }}
 {{- $limits := dict "max_new_tokens" (int $v.limits.maxNewTokens) "max_request_bytes" (int $v.limits.maxRequestBytes) "max_stop_strings" (int $v.limits.maxStopStrings) }}
 {{- $args := dict "mode" $v.mode "app_name" $v.appName "grpc_host" "0.0.0.0" "grpc_port" (int $v.grpc.port) "model" $model "redis" $redis }}
 {{- $_ := set $args "drafter_net" $net }}

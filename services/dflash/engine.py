@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from .drafter.protocol import Draft, Drafter, DraftRequest
-from .errors import DFlashError
-from .generation import Generation, RoundOutput
+from .errors import DFlashError, InvalidRequestError
+from .generation import Generation, OutputListener, RoundOutput
 from .intake import RequestLimits, new_generation
 from .journal import CommittedRound, RoundJournal, SessionFencedError
 from .params import SamplingParams
 from .rounds import accept_length, committed_tokens
 from .sampling import sample_tokens
-from .scheduler import Scheduler, SchedulerConfig, StepPlan
+from .scheduler import MAX_STREAM_INTERVAL_MS, Scheduler, SchedulerConfig, StepPlan
 from .stats import GenerationStats, RoundStats
 from .target import ForwardItem, TargetModel, TargetOutput
 from .verify_policy import AdaptivePolicy, CostCurve, acceptance_rate, measure_target_cost
@@ -125,12 +125,13 @@ class SpeculativeEngine:
         committed_ids: list[int] | None = None,
         seed: int | None = None,
         trace_context: object = None,
+        stream_interval_ms: float | None = None,
     ) -> Iterator[RoundOutput]:
         """Stream rounds: the prefill round (first token), then one per draft-and-verify round.
 
         Raises InvalidRequestError (a bad field) or QueueFullError at once, before the first round.
         """
-        gen = self.start(prompt_ids, params, request_id, committed_ids, seed)
+        gen = self.start(prompt_ids, params, request_id, committed_ids, seed, stream_interval_ms)
         gen.trace_context = trace_context
         self.submit(gen)
         return self.stream(gen)
@@ -142,15 +143,23 @@ class SpeculativeEngine:
         request_id: str | None = None,
         committed_ids: list[int] | None = None,
         seed: int | None = None,
+        stream_interval_ms: float | None = None,
     ) -> Generation:
         """Validate a request and build its state (not yet queued); raises InvalidRequestError naming the field.
 
         To resume a request whose caches were lost, pass the tokens it already committed and the seed
         it used: generation continues exactly where it stopped (nothing repeated, nothing lost).
+        `stream_interval_ms` overrides the engine's stream interval for this request (0: every round).
         """
-        return new_generation(self.limits, prompt_ids, params, tokenizer=self.tokenizer,
-                              eos_token_ids=self.eos_token_ids, request_id=request_id, committed_ids=committed_ids,
-                              seed=seed)
+        gen = new_generation(self.limits, prompt_ids, params, tokenizer=self.tokenizer,
+                             eos_token_ids=self.eos_token_ids, request_id=request_id, committed_ids=committed_ids,
+                             seed=seed)
+        if stream_interval_ms is not None:
+            if not 0 <= stream_interval_ms <= MAX_STREAM_INTERVAL_MS:
+                raise InvalidRequestError("stream_interval_ms", f"must be between 0 and {MAX_STREAM_INTERVAL_MS}, "
+                                          f"got {stream_interval_ms}")
+            gen.stream_interval_s = stream_interval_ms / 1000
+        return gen
 
     def submit(self, gen: Generation) -> None:
         """Queue a request for the step loop; QueueFullError when the queue is full."""
@@ -189,20 +198,16 @@ class SpeculativeEngine:
             yield from rounds
 
     def stream_batches(self, gen: Generation) -> Iterator[list[RoundOutput]]:
-        """Like `stream`, but each item is every round that is ready when the reader asks: one round
-        while the reader keeps up, several when it falls behind (a server then sends one message for
-        them instead of a queue of small ones)."""
+        """Like `stream`, but each item is every round that is ready when the reader asks: with the loop
+        running, what the stream interval gathered (the first token at once); without, one round per
+        step this reader runs."""
         try:
             while True:
                 if self._loop is not None:  # the loop wakes this stream when its output is worth sending
                     gen.wakeup.wait()
                     gen.wakeup.clear()
-                    if not gen.worth_streaming(self.config.stream_interval):
-                        continue
-                if gen.outbox:
-                    rounds = []
-                    while gen.outbox and (not rounds or rounds[-1].finish_reason is None):
-                        rounds.append(gen.outbox.popleft())
+                rounds = gen.take_ready()
+                if rounds:
                     yield rounds
                     if rounds[-1].finish_reason is not None:
                         return
@@ -268,11 +273,25 @@ class SpeculativeEngine:
                 log.exception("step failed for %d sessions", len(plan.decodes) + len(plan.prefills))
                 for gen in plan.decodes + [g for g, _ in plan.prefills]:
                     gen.error = exc
-            for gen in plan.decodes + [g for g, _ in plan.prefills]:
-                if gen.worth_streaming(self.config.stream_interval):
-                    gen.wakeup.set()
+            self._publish(plan.decodes + [g for g, _ in plan.prefills])
             self._retire_done()
             return True
+
+    def _publish(self, gens: list[Generation]) -> None:
+        """Wake the streams whose output is worth a message now: one call per listener (an asyncio
+        consumer) for all its streams, a thread's event for the others."""
+        now, interval_s = time.perf_counter(), self.config.stream_interval_ms / 1000
+        listeners: dict[int, tuple[OutputListener, list[Generation]]] = {}
+        for gen in gens:
+            if not gen.worth_streaming(now, interval_s):
+                continue
+            gen.woken_at = now
+            if gen.listener is None:
+                gen.wakeup.set()
+            else:
+                listeners.setdefault(id(gen.listener), (gen.listener, []))[1].append(gen)
+        for listener, woken in listeners.values():
+            listener.publish(woken)
 
     def _run(self, plan: StepPlan) -> None:
         start_ns, t0 = time.time_ns(), time.perf_counter()

@@ -8,6 +8,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import Protocol
 
 import torch
 
@@ -16,6 +17,14 @@ from .params import SamplingParams
 from .rounds import cut_at_stop
 from .stats import GenerationStats, RoundStats
 from .textstream import TextStream
+
+
+class OutputListener(Protocol):
+    """Where the step loop hands the streams it wakes (called from the engine's loop thread)."""
+
+    def publish(self, gens: list[Generation]) -> None:
+        """These sessions have output worth sending (or ended): called once per step, never blocks."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -44,8 +53,9 @@ class Generation:
     chunks. `pending_features` are target features of positions [drafter_start, num_cached) that the
     drafter has not seen. GPU caches are disposable: prompt_ids + output_ids + seed rebuild everything.
 
-    The engine appends what each step adds for this request to `outbox` and sets `wakeup`; the request's
-    stream reads it (waiting on `wakeup`, never on the engine's lock, so a busy step loop cannot starve it).
+    The engine appends what each step adds for this request to `outbox`; when it is worth a message
+    (`worth_streaming`) it sets `wakeup`, or tells `listener` (an asyncio consumer: one call per step for
+    all its streams). The stream reads the outbox, never waiting on the engine's lock.
     """
 
     request_id: str
@@ -68,6 +78,12 @@ class Generation:
     reserved_tokens: int = 0
     outbox: deque = field(default_factory=deque)
     wakeup: threading.Event = field(default_factory=threading.Event)
+    listener: OutputListener | None = None
+    """Woken instead of `wakeup` when set: one call per step for all of its streams (output_hub.py)."""
+    stream_interval_s: float | None = None
+    """This request's stream interval; None: the engine's (scheduler.stream_interval_ms)."""
+    woken_at: float | None = None
+    """When the engine last woke the stream for output (perf_counter seconds)."""
     cancelled: bool = False
     retired: bool = False
     error: BaseException | None = None
@@ -116,17 +132,24 @@ class Generation:
         """Nothing more will be computed for it: finished, cancelled or failed."""
         return self.finished or self.cancelled or self.error is not None
 
-    def worth_streaming(self, interval: int) -> bool:
-        """Is what the outbox holds worth a message now? Its first token, its end and an error are; other
-        rounds once they add up to `interval` tokens (the engine's stream_interval)."""
-        if interval <= 1 or self.done:
+    def worth_streaming(self, now: float, interval_s: float) -> bool:
+        """Is what the outbox holds worth waking the stream for at `now` (perf_counter seconds)? Its first
+        token, its end and an error are at once; other rounds once `interval_s` has passed since the
+        stream was last woken for output (the request's own interval when it set one)."""
+        if self.done:
             return True
-        waiting = 0
-        for out in tuple(self.outbox):  # a snapshot: the engine appends and the stream pops meanwhile
-            if out.stats.index == 0 or out.finish_reason is not None:
-                return True
-            waiting += len(out.token_ids)
-        return waiting >= interval
+        if not self.outbox:
+            return False
+        if self.stream_interval_s is not None:
+            interval_s = self.stream_interval_s
+        return self.woken_at is None or now - self.woken_at >= interval_s  # never woken: its first output
+
+    def take_ready(self) -> list[RoundOutput]:
+        """Pop every round the outbox holds, up to and including the last one (the stream's side)."""
+        rounds: list[RoundOutput] = []
+        while self.outbox and (not rounds or rounds[-1].finish_reason is None):
+            rounds.append(self.outbox.popleft())
+        return rounds
 
     def verify_estimate(self, most: int) -> int:
         """Proposals a drafted round of this session verifies, as its recent drafted rounds did (at least

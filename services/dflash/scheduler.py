@@ -19,6 +19,10 @@ if TYPE_CHECKING:  # the service's config reads SchedulerConfig and must not imp
     from .kv_cache import KVCache
 
 
+DEFAULT_STREAM_INTERVAL_MS = 20.0  # measured: docs/service.md#streaming
+MAX_STREAM_INTERVAL_MS = 10_000
+
+
 class QueueFullError(DFlashError):
     """More requests waiting than the queue holds (RESOURCE_EXHAUSTED in the service)."""
 
@@ -32,10 +36,10 @@ class SchedulerConfig:
     cache_tokens: positions the target KV cache may hold over all sessions; a session reserves
     prompt + max_new_tokens + one block of them when admitted. verify_policy: "adaptive" picks each
     session's verify length per step from the drafter's confidence and the measured cost curve;
-    "full" verifies every proposal (what a batch-1 engine does). stream_interval: with the step loop
-    running (a server), a stream is woken once its request has at least this many new tokens (or its
-    first token, or its end): fewer, larger messages per stream, like SGLang's --stream-interval; 1 wakes
-    it every step.
+    "full" verifies every proposal (what a batch-1 engine does). stream_interval_ms: with the step loop
+    running (a server), a stream gets its first token at once, then whatever rounds are ready at most
+    every this many milliseconds (checked at the end of each step; 0: every round as it is made). Fewer,
+    larger messages cost the serving path less per token; a request may set its own.
     """
 
     max_running: int = 16
@@ -43,13 +47,17 @@ class SchedulerConfig:
     max_queued: int = 256
     cache_tokens: int = 1 << 16
     verify_policy: str = "adaptive"
-    stream_interval: int = 1
+    stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "max_step_tokens", "max_queued", "cache_tokens", "stream_interval"):
+        for name in ("max_running", "max_step_tokens", "max_queued", "cache_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DFlashError(f"scheduler.{name}: {value!r} is not a positive integer")
+        value = self.stream_interval_ms
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_STREAM_INTERVAL_MS:
+            raise DFlashError(f"scheduler.stream_interval_ms: {value!r} is not a number of milliseconds in "
+                              f"[0, {MAX_STREAM_INTERVAL_MS}]")
         if self.verify_policy not in ("adaptive", "full"):
             raise DFlashError(f"scheduler.verify_policy: {self.verify_policy!r} is not 'adaptive' or 'full'")
 

@@ -41,8 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-cert", help="PEM certificate chain: serve the public port over TLS (with --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
-    p.add_argument("--stream-interval", type=int,
-                   help="tokens a stream collects before they are sent (first token and end at once; default 1)")
+    p.add_argument("--stream-interval-ms", type=float,
+                   help="a stream's first token goes at once, then what is ready at most every this many ms "
+                        "(default 20; 0: every round); a request may set its own")
     p.add_argument("--verify-policy", choices=("adaptive", "full"),
                    help="adaptive: verify what pays at this batch on this device (default); full: every proposal")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for local Ray (default: all)")
@@ -61,7 +62,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         "openai.enabled": args.openai, "openai.host": args.openai_host, "openai.port": args.openai_port,
         "drafter.num_replicas": args.drafter_replicas, "tls.cert_file": args.tls_cert,
         "tls.key_file": args.tls_key, "tls.client_ca_file": args.tls_client_ca,
-        "scheduler.stream_interval": args.stream_interval, "scheduler.verify_policy": args.verify_policy,
+        "scheduler.stream_interval_ms": args.stream_interval_ms, "scheduler.verify_policy": args.verify_policy,
     })
 
 

@@ -130,15 +130,13 @@ class VerifierDeployment:
         metrics = _setup(cfg, "dflash-verifier")
         store = _store(cfg)
         engine = build_verifier_engine(cfg, store, metrics)
-        engine.start_loop()  # one thread steps all streams; each stream's thread only waits and sends
+        engine.start_loop()  # one thread steps all streams; they are coroutines on this replica's loop
         self.verifier = Verifier(engine, store, cfg.model_name, metrics)
         self.drafters = drafters  # holds the drafter deployment in the application graph
 
     async def stream(self, verify: VerifyRequest,
                      carrier: dict[str, str]) -> AsyncIterator[generate_pb2.GenerateChunk | StreamError]:
-        from .async_stream import iterate_in_thread
-
-        async for item in iterate_in_thread(lambda cancelled: self.verifier.stream(verify, carrier, cancelled)):
+        async for item in self.verifier.stream_async(verify, carrier):
             yield item
 
 

@@ -19,6 +19,7 @@ class VerifyRequest:
     prompt_ids: tuple[int, ...] = ()
     tokens_received: int = 0
     resume: bool = False
+    stream_interval_ms: int | None = None  # None: the engine's default
 
 
 @dataclass(frozen=True)

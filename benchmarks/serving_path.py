@@ -1,0 +1,45 @@
+"""The serving path in process: static batch vs the engine's own steps vs streams read by threads.
+
+Not a test. Prints one table from one run (see dflash.bench.inprocess for what each way is):
+
+    python benchmarks/serving_path.py                           # demo pair, 1, 8 and 16 streams
+    python benchmarks/serving_path.py --streams 16 --max-new-tokens 64 --policy full
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--streams", default="1,8,16", help="comma-separated concurrencies (default 1,8,16)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: what a replica gets)")
+    p.add_argument("--policy", default="adaptive", choices=("adaptive", "full"), help="the engine's verify policy")
+    p.add_argument("--stream-interval-ms", type=float, help="the engine's stream interval (default: its default)")
+    p.add_argument("--json", type=Path, help="also write the cells here")
+    args = p.parse_args()
+
+    import torch
+    from dflash.bench.inprocess import format_cells, sweep
+    from dflash.defaults import demo_pair
+    from dflash.demo.corpus import heldout_prompts
+    from dflash.loading import build_engine
+    from dflash.scheduler import SchedulerConfig
+
+    torch.set_num_threads(args.threads)
+    concurrencies = [int(c) for c in args.streams.split(",")]
+    extra = {} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms}
+    engine = build_engine(*demo_pair(), scheduler=SchedulerConfig(verify_policy=args.policy, **extra))
+    prompts = [engine.encode(t) for t in heldout_prompts(max(concurrencies), seed=0)]
+    cells = sweep(engine, prompts, concurrencies, args.max_new_tokens)
+    print(format_cells(cells))
+    if args.json:
+        args.json.write_text(json.dumps([c.to_dict() for c in cells], indent=1))
+
+
+if __name__ == "__main__":
+    main()

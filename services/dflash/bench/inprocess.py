@@ -1,0 +1,138 @@
+"""The serving path in process: how much of what the model computes reaches the streams.
+
+Three ways to run the same N prompts (greedy, a fixed number of new tokens each, EOS ignored), side by
+side in one process:
+  static      transformers' `generate()` on one left-padded batch of the N prompts (target only)
+  driven      the engine's own steps, driven in one thread (no stream reads them)
+  streams     the engine's step loop running, N threads each reading its `engine.generate` stream
+The engine runs are made for target-only (block 1) and DFlash (the drafter's block, the engine's verify
+policy). What one would serve is `streams`; `driven` is its ceiling and `static` the yardstick.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..engine import SpeculativeEngine
+from ..params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Cell:
+    way: str
+    method: str
+    streams: int
+    tokens: int
+    seconds: float
+    ttft_ms: float | None = None
+    tau: float | None = None
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tok_s": round(self.tok_s, 1)}
+
+
+def static_batch(engine: SpeculativeEngine, prompts: Sequence[list[int]], max_new_tokens: int) -> Cell:
+    """`generate()` of the target on one left-padded batch: every row makes max_new_tokens tokens."""
+    model = engine.target.model
+    width = max(len(p) for p in prompts)
+    pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=engine.target.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=engine.target.device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    seconds = time.perf_counter() - t0
+    return Cell("static", "target-only", len(prompts), (out.shape[1] - width) * len(prompts), seconds)
+
+
+def driven(engine: SpeculativeEngine, prompts: Sequence[list[int]], params: SamplingParams, method: str) -> Cell:
+    """Every request submitted, then steps run in this thread until all are done (no loop thread)."""
+    if engine._loop is not None:
+        raise RuntimeError("driven: the engine's step loop is already running")
+    gens = [engine.start(p, params) for p in prompts]
+    t0 = time.perf_counter()
+    for g in gens:
+        engine.submit(g)
+    while engine.step():
+        pass
+    seconds = time.perf_counter() - t0
+    return Cell("driven", method, len(prompts), sum(len(g.output_ids) for g in gens), seconds,
+                tau=_tau([g.stats for g in gens]))
+
+
+def streams(engine: SpeculativeEngine, prompts: Sequence[list[int]], params: SamplingParams, method: str) -> Cell:
+    """The step loop on (started here if it is not), one thread per prompt reading its stream."""
+    engine.start_loop()
+    tokens = [0] * len(prompts)
+    ttft = [0.0] * len(prompts)
+    totals = [None] * len(prompts)
+    start = threading.Barrier(len(prompts) + 1)
+
+    def read(i: int) -> None:
+        start.wait()
+        t0 = time.perf_counter()
+        for out in engine.generate(prompts[i], params):
+            if not tokens[i] and out.token_ids:
+                ttft[i] = time.perf_counter() - t0
+            tokens[i] += len(out.token_ids)
+            totals[i] = out.totals
+
+    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    return Cell("streams", method, len(prompts), sum(tokens), seconds,
+                ttft_ms=sorted(ttft)[len(ttft) // 2] * 1000, tau=_tau(totals))
+
+
+def _tau(totals: Sequence) -> float | None:
+    rounds = sum(t.rounds for t in totals if t is not None)
+    return sum(t.generated_tokens - 1 for t in totals if t is not None) / rounds if rounds else None
+
+
+def sweep(engine: SpeculativeEngine, prompts: Sequence[list[int]], concurrencies: Sequence[int],
+          max_new_tokens: int) -> list[Cell]:
+    """Each way at each concurrency (the last `c` prompts), target-only and DFlash; one warm-up first.
+    The loop-thread runs come last, as the loop cannot be stopped once started."""
+    methods = [("target-only", SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, block_size=1))]
+    if engine.drafter is not None:
+        methods.append(("dflash", SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)))
+    driven(engine, prompts[:2], methods[-1][1], "warm-up")
+    cells = []
+    for c in concurrencies:
+        batch = list(prompts[-c:])
+        cells.append(static_batch(engine, batch, max_new_tokens))
+        cells += [driven(engine, batch, params, name) for name, params in methods]
+    for c in concurrencies:
+        batch = list(prompts[-c:])
+        cells += [streams(engine, batch, params, name) for name, params in methods]
+    return cells
+
+
+def format_cells(cells: Sequence[Cell]) -> str:
+    """A table: tok/s per way, and streams as a fraction of static and of driven, per concurrency."""
+    by = {(c.way, c.method, c.streams): c for c in cells}
+    lines = ["| streams | method | static tok/s | driven tok/s | streams tok/s | streams/static | streams/driven "
+             "| TTFT p50 ms | tau |", "|---|---|---|---|---|---|---|---|---|"]
+    for (way, method, n), cell in by.items():
+        if way != "streams":
+            continue
+        static, drive = by[("static", "target-only", n)], by[("driven", method, n)]
+        lines.append(f"| {n} | {method} | {static.tok_s:.0f} | {drive.tok_s:.0f} | {cell.tok_s:.0f} | "
+                     f"{cell.tok_s / static.tok_s:.2f} | {cell.tok_s / drive.tok_s:.2f} | {cell.ttft_ms:.1f} | "
+                     f"{cell.tau or 0:.2f} |")
+    return "\n".join(lines)
