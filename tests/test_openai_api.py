@@ -95,11 +95,7 @@ def serve_in_process(config, redis_url, chat):
     ingress = Ingress(config, ServiceMetrics("prometheus"))
 
     def open_stream(verify, carrier):  # as VerifierDeployment.stream relays the verifier
-        if hasattr(verifier, "stream_async"):
-            return verifier.stream_async(verify, carrier)
-        from dflash.service.async_stream import iterate_in_thread  # the verifier before stream_async
-
-        return iterate_in_thread(lambda cancelled: verifier.stream(verify, carrier, cancelled))
+        return verifier.stream_async(verify, carrier)
 
     server = OpenAIServer(ingress, open_stream, chat)
     return HttpServer(build_app(server)), ingress
