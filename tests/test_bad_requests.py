@@ -1,8 +1,11 @@
 """Bad requests stop with one message that names the field."""
 
 import pytest
+from dflash.api.v1 import generate_pb2
 from dflash.errors import InvalidRequestError
 from dflash.params import SamplingParams
+from dflash.service.config import ConfigError, ServiceConfig
+from dflash.service.ingress import Ingress, Rejected
 from tiny import VOCAB, engine_for, tiny_drafter, tiny_target
 
 
@@ -175,3 +178,30 @@ def test_position_seeds_below_2_63_are_unchanged():
     assert position_seed(7, 10) == 1529707127375883190
     assert position_seed((1 << 63) - 1, 5) == 3303731114903442824
     assert position_seed((1 << 64) - 1, 5) == 4445859051449755722 and position_seed(1 << 63, 0) < 1 << 63
+
+
+# --- prompt size, refused at the edge before the verifier tokenizes it -------------------------------
+
+def test_a_prompt_over_max_prompt_chars_is_refused_at_the_ingress():
+    """Was: a 900 KB prompt passed the 1 MiB byte limit and the verifier spent 2.3 s tokenizing it before
+    refusing it. The ingress (no tokenizer) now counts its characters first and names the limit in force."""
+    ingress = Ingress(ServiceConfig())
+    assert ServiceConfig().limits.max_prompt_chars == 262144
+    huge = generate_pb2.GenerateRequest(prompt="x" * 900_000)
+    assert huge.ByteSize() < ServiceConfig().limits.max_request_bytes  # the byte limit alone let it through
+    with pytest.raises(Rejected) as err:
+        ingress.admit(huge, {})
+    assert err.value.code == "INVALID_ARGUMENT"
+    assert err.value.message == ("prompt: 900000 characters exceeds limits.max_prompt_chars (262144); "
+                                 "shorten the prompt")
+
+    small = Ingress(ServiceConfig.from_dict({"limits": {"max_prompt_chars": 10}}))
+    admitted = small.admit(generate_pb2.GenerateRequest(prompt="é" * 10), {})  # 20 bytes: characters count
+    assert admitted.prompt_text == "é" * 10
+    with pytest.raises(Rejected, match=r"^prompt: 11 characters exceeds limits.max_prompt_chars \(10\)"):
+        small.admit(generate_pb2.GenerateRequest(prompt="é" * 11), {})
+
+
+def test_max_prompt_chars_must_be_positive():
+    with pytest.raises(ConfigError, match=r"^limits.max_prompt_chars: "):
+        ServiceConfig.from_dict({"limits": {"max_prompt_chars": 0}})

@@ -147,6 +147,8 @@ def test_renders_the_expected_objects(variant):
         expected += ["Deployment", "Service", "NetworkPolicy", "PodDisruptionBudget"]
     if not value(variant, "drafter.net.auth.existingSecret"):
         expected += ["Secret"]  # the Drafter API's token, generated
+    if value(variant, "openai.enabled"):
+        expected += ["Service"]  # the OpenAI API's, on the HTTP proxy
     assert kinds == sorted(expected)
 
 
@@ -532,7 +534,7 @@ def test_the_operator_reaches_the_dashboard_and_the_serve_proxy(variant):
     proxy it cannot reach never gets ray.io/serve=true and never serves."""
     operator = value(variant, "networkPolicy.operator")
     ray = one(variant_objects(variant), "NetworkPolicy", "-ray")
-    (rule,) = [r for r in ray["spec"]["ingress"] if {p["port"] for p in r.get("ports", [])} & {8000, 8265}]
+    (rule,) = [r for r in ray["spec"]["ingress"] if 8265 in {p["port"] for p in r.get("ports", [])}]
     assert sorted(p["port"] for p in rule["ports"]) == [8000, 8265]
     (peer,) = rule["from"]
     assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": operator["namespace"]}
@@ -559,7 +561,8 @@ def test_grpc_reaches_only_the_serving_cluster(variant):
     ray.io/serve=true as soon as its proxy answers. Since KubeRay 1.6 that Service carries every head port
     named "serve" or "serve-*" (common/service.go, BuildServeService). So the chart names only the gRPC
     port that way and makes that Service the public endpoint (spec.serveService); with TLS, the TLS front
-    Deployment forwards to it. No Service of the chart selects Ray pods."""
+    Deployment forwards to it. No Service of the chart carries gRPC to Ray pods (the HTTP API's selects
+    them for the HTTP proxy alone: test_the_openai_api_is_served_on_the_http_proxy)."""
     objs = variant_objects(variant)
     rs = one(objs, "RayService")
     grpc_port = serve_config(variant)["grpc_options"]["port"]
@@ -567,7 +570,7 @@ def test_grpc_reaches_only_the_serving_cluster(variant):
         ports = {p["name"]: p["containerPort"] for p in group["template"]["spec"]["containers"][0]["ports"]}
         assert ports["serve-grpc"] == grpc_port
         assert {name for name in ports if name == "serve" or name.startswith("serve-")} == {"serve-grpc"}
-    for svc in (o for o in objs if o["kind"] == "Service"):
+    for svc in (o for o in objs if o["kind"] == "Service" and not o["metadata"]["name"].endswith("-http")):
         assert "ray.io/serve" not in svc["spec"]["selector"]
         assert svc["spec"]["selector"].get("app.kubernetes.io/component") != "ray"
     serve = rs["spec"]["serveService"]
@@ -582,6 +585,54 @@ def test_grpc_reaches_only_the_serving_cluster(variant):
         assert serve["metadata"]["name"] == public_grpc_service(variant)
         assert serve["spec"]["type"] == value(variant, "grpc.serviceType") and port["appProtocol"] == "grpc"
     assert len(serve["metadata"]["name"]) <= 63
+
+
+def test_the_openai_api_is_served_on_the_http_proxy():
+    """The ingress serves the OpenAI API on Serve's HTTP proxy (http_options, Ray's HTTPOptionsSchema), in
+    every pod that runs a proxy: EveryNode puts one on the head and on each node with a replica (Serve's
+    controller, _update_proxy_nodes). KubeRay checks it at the container port named "serve", else 8000
+    (utils.FindContainerPort): on the head at each reconcile, labelling it ray.io/serve (updateHeadPodServeLabel),
+    on workers in their readiness probe (common/pod.go), where BuildPod labels them ray.io/serve=true.
+    "<full>-http" selects exactly those pods, as KubeRay's serve Service does, but of any cluster; the
+    NetworkPolicy opens 8000 to grpcFrom's peers; NOTES show Ray's health path. KubeRay v1.6.0 to v1.7.0."""
+    from dflash.service.config import ServiceConfig
+
+    grpc_from = [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]
+    values = {"openai": {"port": 80, "serviceType": "LoadBalancer",
+                         "serviceAnnotations": {"service.beta.kubernetes.io/aws-load-balancer-type": "nlb"}},
+              "networkPolicy": {"grpcFrom": grpc_from}}
+    objs = objects(render(values))
+    rs = one(objs, "RayService")
+    config = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000} and config["proxy_location"] == "EveryNode"
+    assert ServiceConfig.from_dict(config["applications"][0]["args"]).openai.enabled
+    for group in groups_of(rs):
+        ports = {p["name"]: p["containerPort"] for p in group["template"]["spec"]["containers"][0]["ports"]}
+        assert ports["http-proxy"] == 8000 and "serve" not in ports  # KubeRay checks 8000; off the gRPC Service
+
+    http = one(objs, "Service", "-http")
+    assert http["metadata"]["name"] == "dflash-http" and http["spec"]["type"] == "LoadBalancer"
+    assert http["metadata"]["annotations"] == values["openai"]["serviceAnnotations"]
+    assert http["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http-proxy", "protocol": "TCP",
+                                      "appProtocol": "http"}]
+    head, worker = ({**g["template"]["metadata"]["labels"], "ray.io/cluster": "dflash-a"} for g in groups_of(rs)[:2])
+    assert selects(http, {**head, "ray.io/serve": "true"}) and selects(http, {**worker, "ray.io/serve": "true"})
+    assert not selects(http, {**head, "ray.io/serve": "false"})  # KubeRay found its proxy unhealthy
+    assert selects(http, {**head, "ray.io/serve": "true", "ray.io/cluster": "dflash-b"})  # a starting cluster too
+
+    ray = one(objs, "NetworkPolicy", "-ray")
+    assert {"ports": [{"port": 8000, "protocol": "TCP"}], "from": grpc_from} in ray["spec"]["ingress"]
+    text = notes(values, is_install=True)
+    assert "kubectl -n dflash port-forward svc/dflash-http 80:80" in text and "localhost:80/-/healthz" in text
+    assert '"model": "target"' in text  # ServiceConfig.model_name of /models/target
+
+    off = objects(render({"openai": {"enabled": False}}))
+    (app,) = yaml.safe_load(one(off, "RayService")["spec"]["serveConfigV2"])["applications"]
+    assert not ServiceConfig.from_dict(app["args"]).openai.enabled
+    assert not [o for o in off if o["metadata"]["name"] == "dflash-http"]
+    rules = one(off, "NetworkPolicy", "-ray")["spec"]["ingress"]
+    assert [r for r in rules if r.get("ports") == [{"port": 8000, "protocol": "TCP"}]] == []  # the operator's stays
+    assert "/-/healthz" not in notes({"openai": {"enabled": False}}, is_install=True)
 
 
 # 4. Upgrades: what replaces the GPU cluster --------------------------------------------------------------
@@ -706,7 +757,7 @@ def test_a_budget_changes_with_its_pods(role):
 
     base_budget, base_group = budget_and_group({})
     new_budget, new_group = budget_and_group({role: {"pods": {"minReplicas": 2, "maxReplicas": 8}}})
-    assert new_budget["minAvailable"] == 2 != base_budget["minAvailable"]
+    assert new_budget["minAvailable"] == 1 != base_budget["minAvailable"]
     assert new_group != base_group
 
 
@@ -854,7 +905,9 @@ def test_group_idle_timeouts_only_with_autoscaler_v2(autoscaler, per_group):
 def test_disruption_budgets(variant):
     """One budget per worker group, Redis and the TLS front, each selecting exactly its own pods. KubeRay's
     RayCluster has no scale subresource, so for Ray pods Kubernetes honours only an integer minAvailable
-    (not maxUnavailable); the default keeps each group's minReplicas through drains."""
+    (not maxUnavailable, whose eviction check needs the owner's scale). The default lets one pod of a group go
+    at a time, so a group of one still drains: a budget allows currentHealthy - desiredHealthy disruptions
+    (PodDisruptionBudgetStatus), so minAvailable equal to the group's pods allows none."""
     objs = variant_objects(variant)
     pods = {role: groups(variant)[role]["template"]["metadata"]["labels"] for role in ("verifier", "drafter")}
     if value(variant, "redis.mode") == "internal":
@@ -868,7 +921,9 @@ def test_disruption_budgets(variant):
         covered[name] = budget["spec"]
     assert set(covered) == set(pods)
     for role in ("verifier", "drafter"):
-        assert covered[role]["minAvailable"] == value(variant, f"{role}.pods.minReplicas")
+        group_min = value(variant, f"{role}.pods.minReplicas")
+        assert covered[role]["minAvailable"] == max(0, group_min - 1)
+        assert group_min - covered[role]["minAvailable"] >= 1, "a drain can take one pod of a full-size group"
         assert "maxUnavailable" not in covered[role] and covered[role]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
 
 
@@ -899,6 +954,56 @@ def quantity(text) -> float:
     units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
     match = re.fullmatch(r"([\d.]+)([A-Za-z]*)", str(text))
     return float(match.group(1)) * units.get(match.group(2), 1)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_object_store_stays_in_dev_shm(variant, monkeypatch, tmp_path):
+    """Each Ray pod mounts the chart's /dev/shm (so KubeRay adds none of its own, sized to the memory:
+    common/pod.go, addEmptyDir). Left unset, Ray sizes its object store at 30% of the container's memory, capped
+    at 10 GB (resolve_object_store_memory), more than that /dev/shm, and puts it in /tmp
+    (determine_plasma_store_config). The chart sets object-store-memory to four fifths of the volume, which
+    Ray's own code, reading that volume's size, places in /dev/shm. Ray 2.60."""
+    import ray._common.utils
+    import ray._private.utils
+    from ray._private.services import determine_plasma_store_config
+
+    fell_back = []
+    for name, group in groups(variant).items():
+        spec = group["template"]["spec"]
+        shm = quantity(next(v for v in spec["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"])
+        memory = quantity(spec["containers"][0]["resources"]["limits"]["memory"])
+        monkeypatch.setattr(ray._private.utils, "get_shared_memory_bytes", lambda shm=shm: int(shm))
+        monkeypatch.setattr(ray._common.utils, "get_system_memory", lambda memory=memory: int(memory))
+        store = int(group["rayStartParams"]["object-store-memory"])
+        assert store == int(shm * 0.8), name
+        assert determine_plasma_store_config(store, str(tmp_path))[0] == "/dev/shm", name
+        unset = ray._private.utils.resolve_object_store_memory(int(memory))
+        fell_back.append(determine_plasma_store_config(unset, str(tmp_path))[0] == str(tmp_path))
+    if variant == "default":
+        assert all(fell_back), "the chart's defaults without object-store-memory: every store in /tmp"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gpu_pods_are_guaranteed(variant):
+    """Kubernetes gives a pod the Guaranteed QoS class only when every container, init containers too, has cpu
+    and memory limits equal to its requests; the fetch-models init container's made GPU pods Burstable."""
+    for name, group in groups(variant).items():
+        spec = group["template"]["spec"]
+        if "nvidia.com/gpu" not in spec["containers"][0]["resources"].get("limits", {}):
+            continue
+        for container in [*spec.get("initContainers", []), *spec["containers"]]:
+            res = container["resources"]
+            for kind in ("cpu", "memory"):
+                assert quantity(res["requests"][kind]) == quantity(res["limits"][kind]), (name, container["name"], kind)
+
+
+def test_drafter_pods_fit_an_8_vcpu_32_gib_l4_machine():
+    """g6.2xlarge and g2-standard-8: 8 vCPU, 32 GiB, less the kubelet's reservations (about 2 GiB there);
+    the drafter's requests (the Ray container's, which exceed the init container's) leave room for them."""
+    spec = groups("default")["drafter"]["template"]["spec"]
+    requests = spec["containers"][0]["resources"]["requests"]
+    assert quantity(requests["cpu"]) <= 7 and quantity(requests["memory"]) <= 28 * 2**30
+    assert value("external-redis", "drafter.pods.nodeSelector")["node.kubernetes.io/instance-type"] == "g6.2xlarge"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -1102,12 +1207,13 @@ def test_network_policies(variant):
         front = one(objs, "NetworkPolicy", "-tls-front")
         assert ([r for r in front["spec"]["ingress"] if "from" not in r]
                 == [{"ports": [{"port": "grpc-tls", "protocol": "TCP"}]}])
-        assert ray_open == []
+        assert ray_open == [{"ports": [{"port": 8000, "protocol": "TCP"}]}], "the HTTP API: plaintext, beside the front"
         (rule,) = [r for r in ray["spec"]["ingress"] if r.get("ports") == [{"port": "serve-grpc", "protocol": "TCP"}]]
         (peer,) = rule["from"]
         assert peer["podSelector"]["matchLabels"] == front["spec"]["podSelector"]["matchLabels"]
     else:
-        assert ray_open == [{"ports": [{"port": "serve-grpc", "protocol": "TCP"}]}], "only gRPC is open to all"
+        assert ray_open == [{"ports": [{"port": "serve-grpc", "protocol": "TCP"}]},
+                            {"ports": [{"port": 8000, "protocol": "TCP"}]}], "only gRPC and HTTP are open to all"
     if any(o["kind"] == "StatefulSet" for o in objs):
         redis = one(objs, "NetworkPolicy", "-redis")
         (rule,) = redis["spec"]["ingress"]
@@ -1178,6 +1284,9 @@ BAD_VALUES = [
     ({"drafter": {"net": {"tls": {"existingSecret": "t", "serverName": "bad name"}}}}, "/drafter/net/tls/serverName"),
     ({"drafter": {"net": {"tls": {"enabled": True}}}}, "enabled"),
     ({"grpc": {"reflection": "yes"}}, "/grpc/reflection"),
+    ({"openai": {"serviceType": "ExternalName"}}, "/openai/serviceType"),
+    ({"openai": {"port": 0}}, "/openai/port"),
+    ({"limits": {"maxPromptChars": 0}}, "/limits/maxPromptChars"),
 ]
 
 
@@ -1211,6 +1320,9 @@ def test_schema_rejects_bad_values(values, where):
      "drafter.net.tls.existingSecret needs drafter.net.tls.serverName"),
     ({"drafter": {"net": {"tls": {"serverName": "drafter.internal"}}}},
      "drafter.net.tls.serverName is only used with drafter.net.tls.existingSecret"),
+    ({"verifier": {"pods": {"shmSize": "80Gi"}}},
+     "verifier.pods.shmSize (80Gi) is above the container's memory limit (64Gi)"),
+    ({"head": {"shmSize": "2Pi"}}, '"2Pi": use a number of bytes'),
 ])
 def test_inconsistent_values_fail_with_a_message(values, message):
     with pytest.raises(helm.HelmError, match=re.escape(message)):

@@ -180,6 +180,13 @@ across a group and its deployment.
 {{- fail (printf "%s.autoscaling.maxReplicas (%v) replicas need more than %s.pods.maxReplicas (%v) pods of %s.replicasPerPod (%v)" $role $v.autoscaling.maxReplicas $role $v.pods.maxReplicas $role $v.replicasPerPod) }}
 {{- end }}
 {{- end }}
+{{- range $role := list "head" "verifier" "drafter" }}
+{{- $g := ternary $.Values.head (index $.Values $role).pods (eq $role "head") }}
+{{- $limit := dig "limits" "memory" "" $g.resources }}
+{{- if and $limit (gt (include "dflash.bytes" $g.shmSize | int64) (include "dflash.bytes" $limit | int64)) }}
+{{- fail (printf "%sshmSize (%v) is above the container's memory limit (%v): /dev/shm is memory counted against that limit, and Ray refuses an object store (four fifths of it) larger than the memory" (ternary "head." (printf "%s.pods." $role) (eq $role "head")) $g.shmSize $limit) }}
+{{- end }}
+{{- end }}
 {{- range $role := list "ingress" "verifier" "drafter" }}
 {{- $a := (index $.Values $role).autoscaling }}
 {{- include "dflash.validateAtMost" (dict "low" $a.minReplicas "lowName" (printf "%s.autoscaling.minReplicas" $role) "high" $a.maxReplicas "highName" (printf "%s.autoscaling.maxReplicas" $role)) }}

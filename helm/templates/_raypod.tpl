@@ -98,6 +98,28 @@ Ray container itself. Pass (dict "ctx" $ "role" "head|verifier|drafter").
   value: "1"
 {{- end }}
 
+{{/* Bytes of a Kubernetes quantity (a number, or a string with a k, M, G, T, Ki, Mi, Gi or Ti suffix). */}}
+{{- define "dflash.bytes" -}}
+{{- $q := ternary (toString .) (toString (int64 .)) (kindIs "string" .) }}
+{{- $num := regexFind "^[0-9]+(\\.[0-9]+)?" $q }}
+{{- $unit := dict "" 1.0 "k" 1e3 "K" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 }}
+{{- $suffix := trimPrefix $num $q }}
+{{- if or (not $num) (not (hasKey $unit $suffix)) }}
+{{- fail (printf "%q: use a number of bytes or a k, M, G, T, Ki, Mi, Gi or Ti quantity" $q) }}
+{{- end }}
+{{- mulf (float64 $num) (index $unit $suffix) | floor | int64 }}
+{{- end }}
+
+{{/*
+Ray's object store for a /dev/shm of this size (pass the quantity): four fifths of it, in bytes, the rest left
+to whatever else maps shared memory (torch, NCCL). Unset, Ray sizes the store at 30% of the container's memory
+(capped at 10 GB, ray._private.utils.resolve_object_store_memory) and, finding /dev/shm smaller, puts it in /tmp
+(services.determine_plasma_store_config): with the chart's own /dev/shm, KubeRay's (sized to the memory) is not added.
+*/}}
+{{- define "dflash.objectStoreBytes" -}}
+{{- mulf (include "dflash.bytes" . | float64) 0.8 | floor | int64 }}
+{{- end }}
+
 {{/* "true" when a worker group's replicas use GPUs (pass (dict "ctx" $ "role" "verifier")), else empty. */}}
 {{- define "dflash.hasGpus" -}}
 {{- $r := index .ctx.Values .role -}}
@@ -239,8 +261,9 @@ start (cache claim) finds the files and only checks them.
     {{- end }}
   securityContext:
     {{- include "dflash.containerSecurityContext" (dict "ctx" .ctx "readOnly" true) | nindent 4 }}
+  # Requests equal to limits, as in the Ray container: a GPU pod stays in the Guaranteed QoS class.
   resources:
-    requests: {cpu: 500m, memory: 1Gi}
+    requests: {cpu: "2", memory: 4Gi}
     limits: {cpu: "2", memory: 4Gi}
   volumeMounts:
     - name: tmp
@@ -261,8 +284,8 @@ start (cache claim) finds the files and only checks them.
     - {name: dashboard, containerPort: 8265}
     - {name: client, containerPort: 10001}
     {{- end }}
-    # Serve's HTTP proxy, which KubeRay health-checks on 8000. Not named "serve": KubeRay's serve Service
-    # carries every head port named serve or serve-*, and the public one is gRPC only.
+    # Serve's HTTP proxy (the OpenAI API; service-http.yaml), which KubeRay health-checks on 8000. Not named
+    # "serve": KubeRay's serve Service carries every head port named serve or serve-*, and that one is gRPC only.
     - {name: http-proxy, containerPort: 8000}
     - {name: serve-grpc, containerPort: {{ $v.grpc.port }}}
     - {name: metrics, containerPort: 8080}

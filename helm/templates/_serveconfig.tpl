@@ -21,6 +21,12 @@ when only its overrides do (changed actor options restart that deployment alone)
 {{- end }}
 {{- end }}
 
+{{/* The model's name in the APIs, as ServiceConfig.model_name makes it: model.name, else the target directory's last part. */}}
+{{- define "dflash.modelName" -}}
+{{- $target := (include "dflash.modelPaths" . | fromJson).target }}
+{{- .Values.model.name | default (ternary (base (toString $target)) "dflash-demo" (not (empty $target))) }}
+{{- end }}
+
 {{/* One deployment's override; pass (dict "name" n "v" .Values.<role> "gpus" bool "resource" name "drafter" bool).
 The drafter scales on the load its replicas report (dflash.service.autoscaling), the others on Serve's
 own request counts. The ingress asks for no CPU: the head offers none (only its ingress resource). */}}
@@ -53,7 +59,7 @@ own request counts. The ingress asks for no CPU: the head offers none (only its 
 {{- $net := dict "port" (int $v.drafter.net.port) "timeout_s" (float64 $v.drafter.net.timeoutSeconds) "retry_after_s" (float64 $v.drafter.net.retryAfterSeconds) "chunk_bytes" (int $v.drafter.net.chunkBytes) "max_sessions" (int $v.drafter.net.maxSessions) "workers" (int $v.drafter.net.workers) "context_window" (int $v.drafter.net.contextWindow) }}
 {{- $sched := $v.verifier.scheduler }}
 {{- $scheduler := dict "max_running" (int $sched.maxRunningSessions) "max_step_tokens" (int $sched.maxStepTokens) "max_queued" (int $sched.maxQueuedSessions) "cache_tokens" (int $sched.cacheTokens) "verify_policy" $sched.verifyPolicy "stream_interval_ms" $sched.streamIntervalMs }}
-{{- $limits := dict "max_new_tokens" (int $v.limits.maxNewTokens) "max_request_bytes" (int $v.limits.maxRequestBytes) "max_stop_strings" (int $v.limits.maxStopStrings) }}
+{{- $limits := dict "max_new_tokens" (int $v.limits.maxNewTokens) "max_request_bytes" (int $v.limits.maxRequestBytes) "max_stop_strings" (int $v.limits.maxStopStrings) "max_prompt_chars" (int $v.limits.maxPromptChars) }}
 {{- $args := dict "mode" $v.mode "app_name" $v.appName "grpc_host" "0.0.0.0" "grpc_port" (int $v.grpc.port) "model" $model "redis" $redis }}
 {{- $_ := set $args "drafter_net" $net }}
 {{- $_ := set $args "limits" $limits }}
@@ -61,6 +67,8 @@ own request counts. The ingress asks for no CPU: the head offers none (only its 
 {{- $_ := set $args "torch_threads" (int $v.torchThreads) }}
 {{- $_ := set $args "metrics" $v.metrics }}
 {{- $_ := set $args "reflection" $v.grpc.reflection }}
+{{- /* Only `enabled`: on a cluster http_options (dflash.serveConfig) place the HTTP proxy, not openai.host/port. */}}
+{{- $_ := set $args "openai" (dict "enabled" $v.openai.enabled) }}
 {{- toJson $args }}
 {{- end }}
 
@@ -85,6 +93,12 @@ into the head pod, so a change makes a new cluster).
 {{- toJson $grpc }}
 {{- end }}
 
+{{/*
+http_options: Serve's HTTP proxy (the OpenAI API, and the /-/healthz KubeRay checks) on 8000 in every pod that
+runs a proxy (EveryNode: the head and each node with a replica). Fixed: KubeRay checks the proxy's health on
+the container port named "serve", else 8000 (utils.FindContainerPort), and the port is not named "serve" (the
+gRPC serve Service would carry it); Serve applies http_options only when it starts.
+*/}}
 {{- define "dflash.serveConfig" -}}
 {{- $v := .Values }}
 {{- $grpc := include "dflash.grpcOptions" . | fromJson }}

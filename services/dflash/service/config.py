@@ -152,6 +152,8 @@ class LimitsConfig:
     max_new_tokens: PositiveInt = 4096
     max_request_bytes: int = 1 << 20
     max_stop_strings: int = 16
+    # Prompt text longer than this is refused at the ingress, before the verifier tokenizes it.
+    max_prompt_chars: PositiveInt = 1 << 18
 
 
 @dataclass(frozen=True, config=_KEYS)

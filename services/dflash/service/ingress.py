@@ -134,6 +134,9 @@ class Ingress:
         self._check_auth(metadata)
         check_decoded(request)
         limits = self.config.limits
+        if len(request.prompt) > limits.max_prompt_chars:  # before anything that costs: the verifier tokenizes it
+            raise Rejected("INVALID_ARGUMENT", f"prompt: {len(request.prompt)} characters exceeds "
+                           f"limits.max_prompt_chars ({limits.max_prompt_chars}); shorten the prompt")
         if request.ByteSize() > limits.max_request_bytes:
             raise Rejected("INVALID_ARGUMENT", f"request: {request.ByteSize()} bytes exceeds the limit of "
                            f"{limits.max_request_bytes}; shorten the prompt")
