@@ -3,7 +3,7 @@
 Not a test. Prints one table from one run (see dflash.bench.inprocess for what each way is):
 
     python benchmarks/serving_path.py                           # demo pair, 1, 8 and 16 streams
-    python benchmarks/serving_path.py --streams 16 --max-new-tokens 64 --policy full
+    python benchmarks/serving_path.py --streams 16 --max-new-tokens 64 --policies full
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def main() -> None:
     p.add_argument("--streams", default="1,8,16", help="comma-separated concurrencies (default 1,8,16)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: what a replica gets)")
-    p.add_argument("--policy", default="adaptive", choices=("adaptive", "full"), help="the engine's verify policy")
+    p.add_argument("--policies", default="adaptive,full", help="verify policies to run DFlash with (default both)")
     p.add_argument("--stream-interval-ms", type=float, help="the engine's stream interval (default: its default)")
     p.add_argument("--json", type=Path, help="also write the cells here")
     args = p.parse_args()
@@ -33,9 +33,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     concurrencies = [int(c) for c in args.streams.split(",")]
     extra = {} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms}
-    engine = build_engine(*demo_pair(), scheduler=SchedulerConfig(verify_policy=args.policy, **extra))
-    prompts = [engine.encode(t) for t in heldout_prompts(max(concurrencies), seed=0)]
-    cells = sweep(engine, prompts, concurrencies, args.max_new_tokens)
+    engines = {name: build_engine(*demo_pair(), scheduler=SchedulerConfig(verify_policy=name, **extra))
+               for name in args.policies.split(",")}
+    encode = next(iter(engines.values())).encode
+    prompts = [encode(t) for t in heldout_prompts(max(concurrencies), seed=0)]
+    cells = sweep(engines, prompts, concurrencies, args.max_new_tokens)
     print(format_cells(cells))
     if args.json:
         args.json.write_text(json.dumps([c.to_dict() for c in cells], indent=1))

@@ -15,14 +15,7 @@ from dflash.errors import InvalidRequestError
 from dflash.loading import build_engine
 from dflash.params import SamplingParams
 from dflash.scheduler import QueueFullError, SchedulerConfig
-from dflash.verify_policy import (
-    CostCurve,
-    DraftCost,
-    StepCalibration,
-    choose_drafted,
-    choose_verify_lengths,
-    fit_step_time,
-)
+from dflash.verify_policy import ARMS, BURST, FIRST_LOOK, CostCurve, Decision, MeasuredPolicy, choose_verify_lengths
 from tiny import char_tokenizer, engine_for, prompts, tiny_drafter, tiny_target
 
 
@@ -72,6 +65,9 @@ class StepSizes:
 
     def on_step(self, report):
         self.rounds.append(len(report.rounds))
+
+    def on_sessions(self, num_running, num_waiting):
+        pass
 
 
 def tokens(rounds):
@@ -199,22 +195,6 @@ def test_a_request_stream_interval_out_of_range_is_refused_naming_the_field(pair
         engine.start(prompts(1)[0], SamplingParams(max_new_tokens=4), stream_interval_ms=20_000)
 
 
-def test_a_drafted_rounds_verify_estimate_follows_what_was_verified():
-    """The drafting decision credits a session with the proposals its drafted rounds really verify
-    (the verify policy cuts blocks where confidence falls), not with a whole block."""
-    from dflash.generation import Generation
-
-    gen = Generation.__new__(Generation)
-    gen.verified_ema, gen.drafted_ema = 0.0, 0.0
-    assert gen.verify_estimate(15) == 15  # nothing known yet: the whole block
-    for _ in range(20):
-        gen.verified_ema, gen.drafted_ema = 0.8 * gen.verified_ema + 3, 0.8 * gen.drafted_ema + 1
-    assert gen.verify_estimate(15) == 3 and gen.verify_estimate(2) == 2
-    for _ in range(20):
-        gen.verified_ema, gen.drafted_ema = 0.8 * gen.verified_ema + 0, 0.8 * gen.drafted_ema + 1
-    assert gen.verify_estimate(15) == 1  # never 0: the session can still be explored
-
-
 def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(pair):
     target, drafter = pair
     short = (prompts(1, seed=1)[0], SamplingParams(max_new_tokens=30, ignore_eos=True))
@@ -282,113 +262,75 @@ def test_cost_curve_interpolates_and_never_decreases():
     assert curve(1) == 2.0 and curve(10) == pytest.approx(3.5) and curve(32) == pytest.approx(9.0)
 
 
-def test_draft_cost_keeps_the_median_recent_call_per_bucket():
-    cost = DraftCost(window=3)
-    assert cost(4) == 0.0  # nothing timed yet: drafting is assumed free until it has been measured
-    cost.observe(1, 20.0)  # a first call's warm-up
-    cost.observe(1, 5.0)
-    cost.observe(3, 9.0)  # bucket 4, scaled to 12 ms
-    assert cost(1) == 5.0 and cost(4) == pytest.approx(12.0)
-    for _ in range(3):
-        cost.observe(1, 7.0)
-    assert cost(1) == 7.0  # the window moved on: a real slow-down is followed
+def drive(policy, steps, num_decoding, rate_of, clock):
+    """Run `steps` policy steps at a batch of `num_decoding`, each arm committing per session per ms what
+    `rate_of(arm)` says (a step takes 1 ms); -> the arms chosen, in order."""
+    arms = []
+    for _ in range(steps):
+        policy.step_started(clock[0])
+        decision = policy.decide(num_decoding)
+        arms.append(decision.arm)
+        policy.step_ran(decision, clock[0], num_decoding, round(rate_of(decision.arm) * num_decoding * 100), 0)
+        clock[0] += 0.1  # 100 ms per step: committed above is tokens per 100 ms
+    policy.step_started(clock[0])
+    return arms
 
 
-def test_drafting_stops_where_it_cannot_pay_and_goes_on_where_it_does():
-    cheap_verify = CostCurve((1, 16, 64), (10.0, 11.0, 14.0))
-    assert choose_drafted([0.9, 0.1], [15, 15], 2, cheap_verify, DraftCost()) == [True, True]
-    slow_drafter = DraftCost()
-    slow_drafter.observe(1, 60.0)
-    slow_drafter.observe(2, 120.0)
-    assert choose_drafted([0.9, 0.1], [15, 15], 2, cheap_verify, slow_drafter) == [False, False]
-    fair_drafter = DraftCost()
-    fair_drafter.observe(1, 4.0)
-    fair_drafter.observe(2, 8.0)
-    assert choose_drafted([0.9, 0.1], [15, 15], 2, cheap_verify, fair_drafter) == [True, False]
-    assert choose_drafted([0.9], [0], 1, cheap_verify, DraftCost()) == [False]  # nothing to draft (block 1)
+def test_the_measured_policy_goes_with_what_pays_and_switches_both_ways():
+    """Every arm is measured soon; then the best one runs, the others only in short, rare bursts; when
+    the costs change (drafting stops paying, then pays again) the policy follows within a few bursts."""
+    policy, clock = MeasuredPolicy(CostCurve.flat()), [0.0]
+    drafting_pays = {"full": 3.0, "confident": 2.5, "plain": 1.0}
+    arms = drive(policy, 200, 1, drafting_pays.__getitem__, clock)
+    assert set(arms[: FIRST_LOOK + 2 * BURST]) == set(ARMS)  # each measured soon after the start
+    assert arms[100:].count("full") >= 0.85 * 100
+    plain_pays = {"full": 0.6, "confident": 0.8, "plain": 1.0}
+    arms = drive(policy, 400, 1, plain_pays.__getitem__, clock)
+    assert arms[200:].count("plain") >= 0.85 * 200
+    arms = drive(policy, 400, 1, drafting_pays.__getitem__, clock)
+    assert arms[200:].count("full") >= 0.85 * 200
+    best, ratios = policy.best(1)
+    assert best == "full" and ratios == pytest.approx({"confident": 2.5 / 3, "plain": 1 / 3})
 
 
-def test_draft_cost_past_the_largest_bucket_timed_is_optimistic():
-    """A lone session's cost extrapolated linearly would forbid ever drafting a batch (a batched drafter
-    forward costs far less than one per session): past what was timed, the largest bucket's cost is
-    assumed, so one batched call is tried and timed."""
-    cost = DraftCost()
-    cost.observe(1, 5.0)
-    assert cost(8) == 5.0
-    cheap_verify = CostCurve((1, 8, 64), (4.0, 5.0, 9.0))
-    assert all(choose_drafted([0.8] * 8, [15] * 8, 8, cheap_verify, cost))
-    cost.observe(8, 80.0)  # timed: far too slow for these sessions
-    assert not any(choose_drafted([0.8] * 8, [15] * 8, 8, cheap_verify, cost))
+def test_the_measured_policy_keeps_each_batch_size_apart_and_skips_what_measures_nothing():
+    """Buckets by batch size (1, 2, 4, 8, ...): drafting may pay for one stream and not for eight. Steps
+    that prefill, and a period in which the loop waited for work, are not measured."""
+    policy, clock = MeasuredPolicy(CostCurve.flat()), [0.0]
+    drive(policy, 120, 1, {"full": 3.0, "confident": 2.0, "plain": 1.0}.__getitem__, clock)
+    drive(policy, 120, 8, {"full": 0.5, "confident": 0.7, "plain": 1.0}.__getitem__, clock)
+    assert policy.best(7)[0] == "plain"  # 7 is in the bucket of 8
+    assert policy.best(1)[0] == "full"
+    fresh = MeasuredPolicy(CostCurve.flat())
+    decision = fresh.decide(1)
+    fresh.step_started(0.0)
+    fresh.step_ran(decision, 1.0, 1, 50, 64)  # a prefill step: not measured
+    fresh.step_started(2.0)
+    decision = fresh.decide(1)
+    fresh.step_ran(decision, 2.0, 1, 50, 0)
+    fresh.idle()  # the loop waited for work: the period measures nothing
+    assert fresh.best(1) == ("full", {"confident": None, "plain": None})
+    assert not fresh._bucket(1).beside
 
 
-def test_per_round_overhead_makes_rounds_that_commit_more_worth_more():
-    """A step whose rounds cost 10 ms each outside the forward (streaming them, say) gains more from a
-    round that commits several tokens than one whose rounds cost nothing."""
-    steep = CostCurve((1, 4, 64), (4.0, 6.0, 60.0))
-    drafter = DraftCost()
-    drafter.observe(4, 8.0)
-    assert not any(choose_drafted([0.7] * 4, [15] * 4, 4, steep, drafter))
-    assert all(choose_drafted([0.7] * 4, [15] * 4, 4, steep, drafter, fixed_ms=4 * 10.0))
+def test_the_confident_arm_cuts_blocks_where_the_cost_model_says_and_full_verifies_all():
+    policy = MeasuredPolicy(CostCurve((1, 2, 64), (10.0, 20.0, 640.0)))  # every token costs a whole step
+    probs = [torch.tensor([0.9, 0.9, 0.9]), torch.empty(0)]
+    assert policy.verify_lengths(Decision("full", "best"), probs, 2, 0.0) == [3, 0]
+    assert policy.verify_lengths(Decision("confident", "best"), probs, 2, 0.0) == [0, 0]
+    assert policy.verify_lengths(Decision("plain", "best"), probs, 2, 0.0) == [0, 0]
 
 
-def test_explorations_back_off_while_drafting_does_not_pay():
-    """Where speculation does not pay (a steep forward), one session drafts after 8 steps without any,
-    then after 16, 32 and 64: the explorations' cost shrinks; once drafting pays it is every 8 again."""
-    from dflash.verify_policy import AdaptivePolicy
-
-    policy = AdaptivePolicy(CostCurve((1, 2, 64), (10.0, 20.0, 640.0)))
-    explored = [step for step in range(1, 260)
-                if any(policy.drafted([0.7, 0.7], [15, 15], [step, 0], 2, 0.0))]
-    assert explored == [8, 24, 56, 120, 184, 248]
-    policy.cost_curve = CostCurve.flat()  # now every proposal pays
-    assert all(policy.drafted([0.7, 0.7], [15, 15], [0, 0], 2, 0.0))
-    policy.cost_curve = CostCurve((1, 2, 64), (10.0, 20.0, 640.0))
-    assert [s for s in range(1, 30) if any(policy.drafted([0.7, 0.7], [15, 15], [s, 0], 2, 0.0))] == [8, 24]
-
-
-def test_drafting_must_beat_plain_decoding_by_the_models_own_error():
-    """Where drafting is predicted to pay only a little, an error of the step-time model could make it
-    lose: the policy drafts only when the predicted gain exceeds the fit's typical error."""
-    curve = CostCurve((1, 8, 16, 32, 64), (5.0, 6.0, 7.0, 10.0, 16.0))
-    drafter = DraftCost()
-    drafter.observe(1, 6.0)
-    assert all(choose_drafted([0.6] * 8, [4] * 8, 8, curve, drafter, 4.0))  # a small predicted gain
-    assert not any(choose_drafted([0.6] * 8, [4] * 8, 8, curve, drafter, 4.0, margin=0.1))
-    assert all(choose_drafted([0.95] * 8, [15] * 8, 8, curve, drafter, 4.0, margin=0.3))  # a large one
-    cal = StepCalibration()
-    start = 0.0
-    for k in range(10):  # step times 10% above or below what the fit can explain, alternately
-        cal.step_started(start)
-        cal.step_ran(start, draft_ms=0.0, predicted_verify_ms=10.0, sessions=4)
-        start += (0.011 if k % 2 else 0.009)
-    cal.step_started(start)
-    assert cal.relative_error == pytest.approx(0.1, abs=0.02)
-
-
-def test_step_calibration_learns_the_time_outside_draft_and_forward():
-    cal = StepCalibration(window=5)
-    assert cal.round_overhead_ms == 0.0
-    start = 100.0
-    for _ in range(5):  # each step: 2 ms drafting + 6 ms forward predicted, 18 ms from start to start
-        cal.step_started(start)
-        cal.step_ran(start, draft_ms=2.0, predicted_verify_ms=6.0, sessions=5)
-        start += 0.018
-    cal.step_started(start)
-    assert cal.round_overhead_ms == pytest.approx(2.0)  # (18 - 8) ms over 5 sessions
-    cal.idle()  # an idle wait is not a step's period
-    cal.step_started(start + 10.0)
-    assert cal.round_overhead_ms == pytest.approx(2.0)
-    assert cal.forward_scale == 1.0  # every step alike: the excess cannot be told apart, it counts per round
-
-
-def test_step_time_is_split_between_a_slower_forward_and_a_cost_per_round():
-    """A forward running 1.5x slower than its start-up curve (the cores are shared) is charged to the
-    forward, in proportion to its size, not to the rounds: else a busy CPU would look like a reason to
-    verify more per round."""
-    steps = [(f, 1.5 * f + 1.0 * s, s) for f, s in ((6.0, 8), (12.0, 8), (9.0, 4), (20.0, 2), (7.0, 16))]
-    scale, per_round = fit_step_time(steps)
-    assert scale == pytest.approx(1.5) and per_round == pytest.approx(1.0)
-    assert fit_step_time([(f, 2.0 * f, s) for f, _, s in steps]) == pytest.approx((2.0, 0.0))
-    assert fit_step_time([(f, 0.1 * f, s) for f, _, s in steps])[0] == 0.5  # kept within [0.5, 4]
-    alike = [(10.0, 7.0, 4)] * 6  # every step the same shape, faster than the curve: the forward's scale
-    assert fit_step_time(alike) == pytest.approx((0.7, 0.0))
+def test_round_stats_say_how_the_step_was_verified_and_why(pair):
+    target, drafter = pair
+    engine = engine_for(target, drafter, config=SchedulerConfig(verify_policy="adaptive"))
+    rounds = list(engine.generate(prompts(1, seed=4)[0], SamplingParams(max_new_tokens=40, ignore_eos=True)))[1:]
+    assert {r.stats.policy_arm for r in rounds} <= set(ARMS)
+    assert {r.stats.policy_reason for r in rounds} <= {"best", "exploring", "nothing to draft"}
+    assert all(r.stats.draft_tokens == 0 for r in rounds if r.stats.policy_arm == "plain")
+    off = engine_for(target, drafter, config=SchedulerConfig(verify_policy="full"))
+    rounds = list(off.generate(prompts(1, seed=4)[0], SamplingParams(max_new_tokens=12, ignore_eos=True)))[1:]
+    seen = {(r.stats.policy_arm, r.stats.policy_reason) for r in rounds}
+    assert ("full", "policy off") in seen and seen <= {("full", "policy off"), ("plain", "nothing to draft")}
+    rounds = list(off.generate(prompts(1, seed=4)[0], SamplingParams(max_new_tokens=6, block_size=1)))[1:]
+    assert {(r.stats.policy_arm, r.stats.policy_reason) for r in rounds} == {("plain", "block size 1")}

@@ -144,3 +144,24 @@ def test_running_sessions_reads_zero_once_the_last_session_retires():
     list(streams[1])
     assert engine.num_running == 0
     assert gauge(metrics, "dflash_running_sessions") == 0 and gauge(metrics, "dflash_queued_sessions") == 0
+
+
+def test_running_sessions_reads_zero_after_a_cancel_that_no_step_followed():
+    """With the step loop running, the last stream cancelled between steps: the loop retires it and the
+    gauge reads 0 though no step ran after."""
+    import time
+
+    target = tiny_target("qwen3", max_positions=128)
+    engine = engine_for(target, tiny_drafter(target, block_size=4))
+    metrics = ServiceMetrics("prometheus")
+    engine.observer = StepTelemetry(metrics)
+    engine.start_loop()
+    stream = engine.generate([3, 4, 5], SamplingParams(max_new_tokens=100, ignore_eos=True))
+    next(stream)
+    stream.close()  # cancels the request
+    deadline = time.monotonic() + 10
+    while engine.num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert engine.num_running == 0 and gauge(metrics, "dflash_running_sessions") == 0
+

@@ -35,13 +35,12 @@ from .sampling import sample_tokens
 from .scheduler import MAX_STREAM_INTERVAL_MS, Scheduler, SchedulerConfig, StepPlan
 from .stats import GenerationStats, RoundStats
 from .target import ForwardItem, TargetModel, TargetOutput
-from .verify_policy import AdaptivePolicy, CostCurve, acceptance_rate, measure_target_cost
+from .verify_policy import CostCurve, Decision, MeasuredPolicy, measure_batch_cost, measure_target_cost
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
-ACCEPT_DECAY = 0.8  # per round: a session's acceptance estimate follows the last ~5 rounds
 
 
 @dataclass(frozen=True)
@@ -79,6 +78,11 @@ class StepObserver(Protocol):
         """At the end of each step, inside its scope."""
         ...
 
+    def on_sessions(self, num_running: int, num_waiting: int) -> None:
+        """After every step and every retirement of finished, failed or cancelled sessions (also when
+        no step followed them): the running set and the queue as they now stand."""
+        ...
+
 
 class SpeculativeEngine:
     """Lossless speculative decoding of a target with a DFlash drafter (or none: block size 1)."""
@@ -111,9 +115,13 @@ class SpeculativeEngine:
         self._admission = threading.Lock()
         self._work = threading.Event()  # set when a request arrives or is cancelled (the loop waits on it)
         self._loop: threading.Thread | None = None
-        self.policy: AdaptivePolicy | None = None  # None: every proposal is verified
+        self.policy: MeasuredPolicy | None = None  # None: every proposal is verified
         if config.verify_policy == "adaptive" and (cost_curve is not None or drafter is not None):
-            self.policy = AdaptivePolicy(cost_curve or measure_target_cost(target, config.max_step_tokens))
+            if cost_curve is None:
+                cost_curve = measure_target_cost(target, config.max_step_tokens)
+                self.policy = MeasuredPolicy(cost_curve, measure_batch_cost(target, config.max_running))
+            else:
+                self.policy = MeasuredPolicy(cost_curve)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -265,6 +273,7 @@ class SpeculativeEngine:
             with self._admission:
                 plan = self.scheduler.schedule()
             if not plan:
+                self._report_sessions()
                 return False
             try:
                 with self.observer.step_scope() if self.observer is not None else nullcontext():
@@ -275,7 +284,12 @@ class SpeculativeEngine:
                     gen.error = exc
             self._publish(plan.decodes + [g for g, _ in plan.prefills])
             self._retire_done()
+            self._report_sessions()
             return True
+
+    def _report_sessions(self) -> None:
+        if self.observer is not None:
+            self.observer.on_sessions(self.scheduler.num_running, self.scheduler.num_waiting)
 
     def _publish(self, gens: list[Generation]) -> None:
         """Wake the streams whose output is worth a message now: one call per listener (an asyncio
@@ -295,32 +309,34 @@ class SpeculativeEngine:
 
     def _run(self, plan: StepPlan) -> None:
         start_ns, t0 = time.time_ns(), time.perf_counter()
+        if self.policy is not None:
+            self.policy.step_started(t0)
         prefill_tokens = sum(n for _, n in plan.prefills)
         base_tokens = len(plan.decodes) + prefill_tokens
-        num_sessions = len(plan.decodes) + len(plan.prefills)
-        overhead_ms = self.policy.overhead_ms(t0, num_sessions) if self.policy is not None else 0.0
-        sizes = self._drafted_sizes(plan.decodes, base_tokens, overhead_ms)
+        sizes = [self._round_block_size(g) for g in plan.decodes]
+        decision = self._decide(sizes)
+        if not decision.drafts:
+            sizes = [1] * len(sizes)
         drafts = self._propose(plan.decodes, sizes)
         t1 = time.perf_counter()
-        asked = sum(s > 1 for s in sizes)
-        if asked and self.policy is not None:
-            self.policy.drafter_ran(asked, (t1 - t0) * 1000)
-        lengths = self._verify_lengths(drafts, base_tokens, overhead_ms + (t1 - t0) * 1000)
+        draft_ms = (t1 - t0) * 1000
+        lengths = self._verify_lengths(decision, drafts, base_tokens, draft_ms)
         verified = [d.tokens[:k] for d, k in zip(drafts, lengths)]
         items = [ForwardItem(g.request_id, (g.last_token, *v.tolist()), g.position)
                  for g, v in zip(plan.decodes, verified)]
         items += [ForwardItem(g.request_id, tuple(g.prefill_ids[g.num_cached : g.num_cached + n]), g.num_cached,
                               last_only=True) for g, n in plan.prefills]
         outs = self.target.forward(self.cache, items)
-        draft_ms, verify_ms = (t1 - t0) * 1000, self._ms_since(t1)
+        verify_ms = self._ms_since(t1)
         num_tokens = sum(len(i.token_ids) for i in items)
-        if self.policy is not None:
-            self.policy.step_ran(t0, draft_ms, num_tokens, num_sessions)
         report = StepReport(start_ns, 0, draft_ms, verify_ms, num_tokens,
                             verify_lengths=lengths, prefill_tokens=prefill_tokens)
-        for gen, size, draft, tokens, out in zip(plan.decodes, sizes, drafts, verified, outs):
-            round_out = self._verify_round(gen, tokens, out, draft_ms, verify_ms, draft.replica, size > 1)
+        for gen, draft, tokens, out in zip(plan.decodes, drafts, verified, outs):
+            round_out = self._verify_round(gen, tokens, out, draft_ms, verify_ms, draft.replica, decision)
             report.rounds.append((gen, round_out))
+        if self.policy is not None:
+            emitted = sum(len(r.token_ids) for _, r in report.rounds)
+            self.policy.step_ran(decision, t0, len(plan.decodes), emitted, prefill_tokens)
         for (gen, n), out in zip(plan.prefills, outs[len(plan.decodes):]):
             round_out = self._prefill_chunk(gen, n, out, verify_ms)
             if round_out is not None:
@@ -380,41 +396,31 @@ class SpeculativeEngine:
             drafts[i] = Draft(d.tokens[: sizes[i] - 1].to("cpu", torch.long), d.probs[: sizes[i] - 1], d.replica)
         return drafts
 
-    def _drafted_sizes(self, decodes: list[Generation], base_tokens: int, overhead_ms: float) -> list[int]:
-        """Each session's block this round; 1 (no draft) where the adaptive policy finds that drafting
-        it does not pay for the drafter's and the verifier's time at this batch."""
-        sizes = [self._round_block_size(g) for g in decodes]
+    def _decide(self, sizes: list[int]) -> Decision:
+        """Whether this step drafts and how its proposals are verified (verify_policy.py)."""
+        if not any(size > 1 for size in sizes):
+            return Decision("plain", "nothing to draft")
         if self.policy is None:
-            return sizes
-        rates = [acceptance_rate(g.accepted_ema, g.rejected_ema) for g in decodes]
-        most = [g.verify_estimate(s - 1) if s > 1 else 0 for g, s in zip(decodes, sizes)]
-        drafted = self.policy.drafted(rates, most, [g.steps_since_draft for g in decodes],
-                                      base_tokens, overhead_ms)
-        for g, d in zip(decodes, drafted):
-            g.steps_since_draft = 0 if d else g.steps_since_draft + 1
-        return [s if d else 1 for s, d in zip(sizes, drafted)]
+            return Decision("full", "policy off")
+        return self.policy.decide(len(sizes))
 
-    def _verify_lengths(self, drafts: list[Draft], base_tokens: int, fixed_ms: float) -> list[int]:
+    def _verify_lengths(self, decision: Decision, drafts: list[Draft], base_tokens: int, draft_ms: float) -> list[int]:
         if self.policy is None:
             return [d.tokens.shape[0] for d in drafts]
-        return self.policy.verify_lengths([d.probs for d in drafts], base_tokens, fixed_ms)
+        return self.policy.verify_lengths(decision, [d.probs for d in drafts], base_tokens, draft_ms)
 
     def _verify_round(self, gen: Generation, draft: torch.Tensor, out: TargetOutput, draft_ms: float,
-                      verify_ms: float, drafter: str, drafted: bool) -> RoundOutput:
+                      verify_ms: float, drafter: str, decision: Decision) -> RoundOutput:
         """Accept the agreed prefix of the draft plus the bonus token; keep the cache up to it."""
         posterior = sample_tokens(out.logits, gen.params, gen.seed, gen.position + 1).cpu()
         accepted = accept_length(draft, posterior)
         new_tokens = committed_tokens(draft, posterior, accepted)
         self.cache.crop(gen.request_id, gen.position + accepted + 1)
-        if drafted:  # what drafting this session is worth, for the next rounds' decisions
-            gen.verified_ema = ACCEPT_DECAY * gen.verified_ema + len(draft)
-            gen.drafted_ema = ACCEPT_DECAY * gen.drafted_ema + 1
-        if len(draft):  # the session's acceptance rate
-            gen.accepted_ema = ACCEPT_DECAY * gen.accepted_ema + accepted
-            gen.rejected_ema = ACCEPT_DECAY * gen.rejected_ema + (accepted < len(draft))
         if gen.block_size > 1:
             self._queue_features(gen, out.features[: accepted + 1])
-        stats = RoundStats(gen.num_rounds + 1, len(draft), accepted, accepted + 1, 0, draft_ms, verify_ms, drafter)
+        stats = RoundStats(gen.num_rounds + 1, len(draft), accepted, accepted + 1, 0, draft_ms, verify_ms, drafter,
+                           decision.arm if gen.block_size > 1 else "plain",
+                           decision.reason if gen.block_size > 1 else "block size 1")
         return gen.emit(self.target.max_positions, new_tokens, stats)
 
     def _prefill_chunk(self, gen: Generation, n: int, out: TargetOutput, verify_ms: float) -> RoundOutput | None:

@@ -87,13 +87,6 @@ class Generation:
     cancelled: bool = False
     retired: bool = False
     error: BaseException | None = None
-    steps_since_draft: int = 0
-    accepted_ema: float = 2.0
-    rejected_ema: float = 1.0
-    """Decayed counts of accepted proposals and of rejections: the session's acceptance rate (a prior of 2/3)."""
-    verified_ema: float = 0.0
-    drafted_ema: float = 0.0
-    """Decayed counts of proposals verified and of rounds drafted: how much of a block a drafted round verifies."""
     session_id: str | None = None
     """The stored session this request commits its rounds to (journal.py); None: not stored. Distinct
     from request_id, which keys the caches: a resume may run while the stream it replaces still does."""
@@ -150,15 +143,6 @@ class Generation:
         while self.outbox and (not rounds or rounds[-1].finish_reason is None):
             rounds.append(self.outbox.popleft())
         return rounds
-
-    def verify_estimate(self, most: int) -> int:
-        """Proposals a drafted round of this session verifies, as its recent drafted rounds did (at least
-        1; `most` before any). The verify policy cuts a block where the drafter's confidence falls, so the
-        tokens verified are the likely ones: the acceptance rate measured on them holds for this many, not
-        for the whole block."""
-        if not self.drafted_ema:
-            return most
-        return max(1, min(most, round(self.verified_ema / self.drafted_ema)))
 
     def emit(self, max_positions: int, new_tokens: list[int], stats: RoundStats) -> RoundOutput:
         """Commit what a round accepted, as far as stops, max_new_tokens and the context allow; the round

@@ -12,6 +12,8 @@ class RoundStats:
 
     draft_tokens: tokens proposed (block size - 1); accepted_tokens: of those, how many the target kept;
     committed: accepted + the bonus token (tau counts this); emitted: what survived stops and limits.
+    policy_arm / policy_reason: the verify policy's choice for the round's step and why it made it (a round
+    with draft_tokens 0 says there why nothing was verified).
     """
 
     index: int
@@ -22,6 +24,8 @@ class RoundStats:
     draft_ms: float
     verify_ms: float
     drafter: str = ""  # the replica that drafted the round ("local" in process, "" for none: target-only)
+    policy_arm: str = ""  # how the step verified: "full", "confident" or "plain" (verify_policy.py)
+    policy_reason: str = ""  # why: "best", "exploring", "policy off", "nothing to draft", ...
 
 
 @dataclass

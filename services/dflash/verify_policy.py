@@ -1,11 +1,25 @@
-"""How many draft tokens each session verifies this step: speculation that never loses under load.
+"""How much each step drafts and verifies: decisions held against what they achieve.
 
-Verifying k proposals of session i commits, in expectation, 1 + sum_{j<=k} prod_{l<=j} p_il tokens,
-where p_il is the drafter's probability of its l-th proposal. A step of n packed tokens costs t(n),
-a curve measured on the real device at start-up. Starting from plain batched decoding (k = 0 for
-everyone, one token each), proposals are added best first (highest prod p) while adding one raises
-the step's expected tokens per millisecond; with a flat cost curve (a GPU at small batch) every
-proposal is verified, with a steep one (a CPU, a big batch) few or none are.
+Three choices ("arms") for a step's decoding sessions:
+  full       every session drafts and verifies every proposal (what a batch-1 engine does)
+  confident  every session drafts; the cost model keeps the proposals that pay (below)
+  plain      nobody drafts: plain batched decoding
+For each batch-size bucket the policy keeps the goodput each arm really achieved (tokens committed
+per session per step period, the whole loop included: drafting, the forward, commit, streaming; the
+period counted in plain steps of as many sessions as measured at start-up, so batch sizes within a
+bucket compare) and
+goes with the best, trying the others in short bursts on a schedule, rarer for the
+ones that lose by much; an explored arm is judged on its last two bursts, so a change in what pays
+(another batch mix, other prompts, a busier machine) is followed within a few bursts, and the best
+changes only for an arm that beats it by MARGIN (a switch to drafting costs a drafter catch-up). A
+batch size not seen before starts from the best arm of the nearest one. The cost model proposes;
+measurements decide.
+
+The confident arm's model: verifying k proposals of session i commits, in expectation,
+1 + sum_{j<=k} prod_{l<=j} p_il tokens, where p_il is the drafter's probability of its l-th proposal.
+A step of n packed tokens costs t(n), a curve measured on the device at start-up. Starting from one
+token per session, proposals are added best first (highest prod p) while one more raises the step's
+expected tokens per millisecond.
 """
 
 from __future__ import annotations
@@ -89,6 +103,27 @@ def measure_target_cost(target: TargetModel, max_step_tokens: int) -> CostCurve:
     return curve
 
 
+def measure_batch_cost(target: TargetModel, max_sessions: int) -> CostCurve:
+    """A plain decoding step's time against the sessions it decodes (one token each, 128 positions of
+    context each), on its device: what the measured policy compares every arm's step period with."""
+    context = min(128, target.max_positions // 2)
+    scratch = target.new_cache(max_sessions * (context + 1))
+    for i in range(max_sessions):
+        scratch.reserve(f"b{i}", context + 1)
+    target.forward(scratch, [ForwardItem(f"b{i}", (0,) * context, 0, last_only=True) for i in range(max_sessions)])
+
+    def forward(n: int) -> None:
+        for i in range(n):
+            scratch.crop(f"b{i}", context)
+        target.forward(scratch, [ForwardItem(f"b{i}", (0,), context) for i in range(n)])
+        if target.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    curve = measure_cost_curve(forward, max_sessions)
+    log.info("plain step cost (sessions -> ms): %s", dict(zip(curve.tokens, (round(m, 2) for m in curve.ms))))
+    return curve
+
+
 def choose_verify_lengths(probs: Sequence[torch.Tensor], base_tokens: int, cost: CostCurve,
                           fixed_ms: float = 0.0) -> list[int]:
     """For each session's proposal probabilities (a tensor [k_i], possibly empty), how many leading
@@ -128,225 +163,154 @@ def _verify_lengths(best_first: Sequence[tuple[float, int]], num_sessions: int,
     return lengths, expected - num_sessions
 
 
-class DraftCost:
-    """Milliseconds of one drafter call against the sessions it drafts, learned from the calls made
-    (local or remote alike): per power-of-two bucket, the median of the last few calls (one warm-up or
-    stall does not move it; the fastest would be optimistic where the cores are shared), interpolated;
-    0 before any call, so sessions draft until the first calls have been timed. Past the largest bucket
-    timed, the cost is taken as that bucket's (optimistic): one batched call is then tried and timed,
-    instead of never drafting a batch because a lone session's cost, extrapolated linearly, looked
-    prohibitive (a batched drafter forward costs far less than one per session)."""
+ARMS = ("full", "confident", "plain")
+EXPLORE_EVERY = 32  # steps on the best arm between explorations of another (x2, x4 for one that loses by much)
+FIRST_LOOK = 8  # steps into a new batch size before its other arms are first tried
+BURST = 3  # steps per exploration
+BESIDE = 6  # the best arm's steps just before a burst, which the burst is held against
+KEEP = 2  # explorations of an arm averaged into its ratio to the best
+MARGIN = 0.10  # another arm replaces the best one when it measures this much better (switching costs)
 
-    def __init__(self, window: int = 5) -> None:
-        self.window = window
-        self._ms: dict[int, deque[float]] = {}
 
-    def observe(self, sessions: int, ms: float) -> None:
-        if sessions < 1:
+@dataclass(frozen=True)
+class Decision:
+    """One step's choice. `reason`: "best" (the arm measured best for this batch), "exploring"
+    (measuring another arm)."""
+
+    arm: str
+    reason: str
+
+    @property
+    def drafts(self) -> bool:
+        return self.arm != "plain"
+
+
+class _Bucket:
+    """One batch size bucket: its best arm, each other arm's measured ratio to it, the schedule.
+
+    A burst of another arm is held against the best arm's steps just before it, not against an
+    average over a long window: what a step yields drifts (contexts grow, text gets more or less
+    predictable, the machine gets busier), and only steps close in time compare."""
+
+    def __init__(self, best: str) -> None:
+        self.steps = 0
+        self.best = best
+        self.beside: deque[tuple[float, float]] = deque(maxlen=BESIDE)  # (tokens per session * plain ms, ms)
+        self.ratios: dict[str, deque[float]] = {a: deque(maxlen=KEEP) for a in ARMS}
+        others = [a for a in ARMS if a != best]
+        self.next_explore = {a: FIRST_LOOK + i * BURST for i, a in enumerate([*others, best])}
+        self.burst: tuple[str, int] | None = None  # (arm, steps left to decide)
+        self.measured: list[tuple[float, float]] = []  # the burst's steps, as measured
+
+    def ratio(self, arm: str) -> float | None:
+        ratios = self.ratios[arm]
+        return sum(ratios) / len(ratios) if ratios else None
+
+    def measure(self, arm: str, value: float, ms: float) -> None:
+        if arm == self.best and self.burst is None and not self.measured:
+            self.beside.append((value, ms))
+        elif self.burst is not None or self.measured:
+            self.measured.append((value, ms))
+
+    def judge(self, arm: str) -> None:
+        """A burst of `arm` has been measured: its ratio to the best arm beside it; a switch when the
+        ratio, over the last explorations, beats the best by MARGIN."""
+        burst, self.measured = self.measured, []
+        if not burst or not self.beside:
             return
-        bucket = 1 << (sessions - 1).bit_length()
-        # scaled to the bucket's size: the cost grows about linearly within it
-        self._ms.setdefault(bucket, deque(maxlen=self.window)).append(ms * bucket / sessions)
-
-    def __call__(self, sessions: int) -> float:
-        if sessions < 1 or not self._ms:
-            return 0.0
-        points = sorted((x, _median(ys, 0.0)) for x, ys in self._ms.items())
-        if sessions >= points[-1][0]:
-            return points[-1][1]
-        return CostCurve(tuple(x for x, _ in points), tuple(y for _, y in points))(sessions)
+        ratio = _rate(burst) / _rate(self.beside) if _rate(self.beside) else 1.0
+        self.ratios[arm].append(ratio)
+        if self.ratio(arm) > 1 + MARGIN:
+            switch = self.ratio(arm)
+            for other in ARMS:  # ratios to the old best become ratios to the new one
+                self.ratios[other] = deque((r / switch for r in self.ratios[other]), maxlen=KEEP)
+            self.ratios[self.best].append(1 / switch)
+            self.ratios[arm].clear()
+            self.best, self.beside = arm, deque(burst[-BESIDE:], maxlen=BESIDE)
 
 
-def acceptance_rate(accepted: float, rejected: float) -> float:
-    """The per-token acceptance chance of a session's drafts, from its (decayed) counts of accepted
-    proposals and of rounds cut short by a rejection (the geometric model's estimate)."""
-    return accepted / (accepted + rejected)
+def _explore_gap(ratios: deque[float]) -> int:
+    """Steps on the best arm before this arm is explored again, from its last ratio to the best: soon
+    when it looked better (to confirm it), rarely when it lost by much."""
+    last = ratios[-1] if ratios else 1.0
+    if last > 1 + MARGIN:
+        return BESIDE
+    return EXPLORE_EVERY * (1 if last > 0.95 else 2 if last > 0.8 else 4)
 
 
-def choose_drafted(rates: Sequence[float], max_drafts: Sequence[int], base_tokens: int, cost: CostCurve,
-                   draft_cost: DraftCost, fixed_ms: float = 0.0, margin: float = 0.0) -> list[bool]:
-    """Which sessions to draft this step, before drafting: the sessions most likely to be accepted
-    first, as many as make the step's expected tokens per millisecond highest (none: plain decoding).
-
-    rates: each session's per-token acceptance chance; max_drafts: the most proposals it may verify
-    (0 where it cannot draft). Expected tokens use the geometric model: k proposals give
-    sum_{j<=k} rate^j more than plain decoding. fixed_ms: see `choose_verify_lengths`. margin: by how
-    much (relative) drafting must beat plain decoding: the model's own error, so that where speculation
-    is only predicted to break even, an error does not make it lose.
-    Plain floats, no tensors: this runs before every step, for every session.
-    """
-    order = sorted((i for i, m in enumerate(max_drafts) if m > 0), key=lambda i: -rates[i])
-    best, best_rate = 0, len(rates) / (cost(base_tokens) + fixed_ms) * (1.0 + margin)
-    proposals: list[tuple[float, int]] = []  # the first m sessions' proposals, best first
-    forward_ms = _step_ms(cost, base_tokens, sum(max_drafts[i] for i in order), 0.0)
-    for m, i in enumerate(order, start=1):
-        gain = 1.0
-        for _ in range(max_drafts[i]):
-            gain *= rates[i]
-            bisect.insort(proposals, (-gain, i))
-        extra_ms = fixed_ms + draft_cost(m)
-        step_ms = [ms + extra_ms for ms in forward_ms[: len(proposals) + 2]]
-        lengths, gained = _verify_lengths(proposals, len(rates), step_ms)
-        rate = (len(rates) + gained) / step_ms[sum(lengths)]
-        if rate > best_rate:
-            best, best_rate = m, rate
-    drafted = set(order[:best])
-    return [i in drafted for i in range(len(rates))]
+def _rate(steps: Sequence[tuple[float, float]]) -> float:
+    ms = sum(m for _, m in steps)
+    return sum(v for v, _ in steps) / ms if ms > 0 else 0.0
 
 
-class StepCalibration:
-    """What the start-up cost curve does not know, learned from the steps run. Each step's time beyond
-    drafting is fitted (least squares over the last `window` steps) as
+class MeasuredPolicy:
+    """One engine's `verify_policy: adaptive`. Each step: `decide` (before drafting), `verify_lengths`
+    (after), `step_ran` (after the forward and commit); `step_started` at every step's start closes the
+    previous step's period; `idle` when the loop waited for work (that period measures nothing)."""
 
-        scale * forward the curve predicts  +  overhead per round * sessions in the step
+    def __init__(self, cost_curve: CostCurve, batch_curve: CostCurve | None = None) -> None:
+        self.cost_curve = cost_curve  # the forward's ms against packed tokens (the confident arm's model)
+        self.batch_curve = batch_curve or cost_curve  # a plain step's ms against sessions (the yardstick)
+        self._buckets: dict[int, _Bucket] = {}
+        self._open: tuple[_Bucket, str, float, float] | None = None  # bucket, arm, start, tokens per session
 
-    `forward_scale`: how much slower (or faster) the forward runs now than when the curve was measured:
-    on a CPU the rest of the service competes for the cores the forward runs on, which slows the forward
-    in proportion to its size. `round_overhead_ms`: what each round costs whatever it verifies: sampling,
-    committing and streaming it, and in a service the store write and the hops to the client.
+    def decide(self, num_decoding: int) -> Decision:
+        bucket = self._bucket(num_decoding)
+        bucket.steps += 1
+        if bucket.burst is not None:
+            arm, left = bucket.burst
+            if left > 0:
+                bucket.burst = (arm, left - 1)
+                return Decision(arm, "exploring")
+            bucket.burst = None
+            bucket.judge(arm)  # its last step was measured as this step started
+            bucket.next_explore[arm] = bucket.steps + _explore_gap(bucket.ratios[arm])
+        due = [a for a in ARMS if a != bucket.best and bucket.steps >= bucket.next_explore[a]]
+        if not due or not bucket.beside:
+            return Decision(bucket.best, "best")
+        arm = min(due, key=bucket.next_explore.__getitem__)
+        bucket.burst, bucket.measured = (arm, BURST - 1), []
+        return Decision(arm, "exploring")
 
-    The two pull the policy opposite ways (a slower forward makes verified tokens dearer, a costly round
-    makes rounds that commit several tokens worth more), so each must be charged where it belongs. When
-    the steps do not tell them apart (every step the same shape), the scale stays 1 and the whole excess
-    counts per round.
-    """
-
-    def __init__(self, window: int = 32) -> None:
-        self._steps: deque[tuple[float, float, int]] = deque(maxlen=window)  # (forward predicted, ms, sessions)
-        self._last: tuple[float, float, float, int] | None = None  # (start, draft ms, forward predicted, sessions)
-        self._fit: tuple[float, float, float] | None = (1.0, 0.0, 0.0)  # scale, per round, relative error
+    def verify_lengths(self, decision: Decision, probs: Sequence[torch.Tensor], base_tokens: int,
+                       draft_ms: float) -> list[int]:
+        """Proposals each session verifies: all of them (full), what the cost model finds worth its time
+        (confident), none (plain)."""
+        if decision.arm == "confident":
+            return choose_verify_lengths(probs, base_tokens, self.cost_curve, draft_ms)
+        return [p.numel() if decision.drafts else 0 for p in probs]
 
     def step_started(self, now: float) -> None:
-        """At a step's start (perf_counter seconds): the previous step's period is now known."""
-        if self._last is not None:
-            start, draft_ms, forward_ms, sessions = self._last
-            self._steps.append((forward_ms, max((now - start) * 1000 - draft_ms, 0.0), sessions))
-            self._fit = None
-        self._last = None
+        if self._open is not None:
+            bucket, arm, start, value = self._open
+            bucket.measure(arm, value, (now - start) * 1000)
+        self._open = None
 
-    def step_ran(self, start: float, draft_ms: float, predicted_verify_ms: float, sessions: int) -> None:
-        """After a step's forward: its drafting time as measured, its forward as the curve predicts it."""
-        self._last = (start, draft_ms, predicted_verify_ms, sessions) if sessions else None
-
-    def idle(self) -> None:
-        """The engine waited for work: the next step's period says nothing about the steps."""
-        self._last = None
-
-    @property
-    def forward_scale(self) -> float:
-        return self._fitted()[0]
-
-    @property
-    def round_overhead_ms(self) -> float:
-        """Milliseconds per session per step beyond drafting and the (scaled) forward."""
-        return self._fitted()[1]
-
-    @property
-    def relative_error(self) -> float:
-        """The fit's typical error: the median of |measured - fitted| / measured over the window (0 before
-        any step)."""
-        return self._fitted()[2]
-
-    def _fitted(self) -> tuple[float, float, float]:
-        """Fitted once per step that adds to the window, whatever reads it how often."""
-        if self._fit is None:
-            scale, per_round = fit_step_time(self._steps)
-            errors = deque(abs(y - scale * f - per_round * s) / y for f, y, s in self._steps if y > 0)
-            self._fit = (scale, per_round, _median(errors, 0.0))
-        return self._fit
-
-
-def fit_step_time(steps: Sequence[tuple[float, float, int]]) -> tuple[float, float]:
-    """(scale, per-session ms) fitting ms ~ scale * forward + per_session * sessions by least squares, the
-    scale kept within [0.5, 4] and the per-session cost >= 0. When the steps are too alike to separate
-    the two: (1, median excess per session), or (scale, 0) where the steps take less than the curve says."""
-    if not steps:
-        return 1.0, 0.0
-    ff = sum(f * f for f, _, _ in steps)
-    fs = sum(f * s for f, _, s in steps)
-    ss = sum(s * s for _, _, s in steps)
-    fy = sum(f * y for f, y, _ in steps)
-    sy = sum(s * y for _, y, s in steps)
-    det = ff * ss - fs * fs
-    if len(steps) >= 4 and det > 1e-3 * ff * ss:
-        scale = min(max((fy * ss - fs * sy) / det, 0.5), 4.0)
-        per_session = (sy - scale * fs) / ss
-        if per_session >= 0:
-            return scale, per_session
-        return min(max(fy / ff, 0.5), 4.0), 0.0
-    ratio = fy / ff if ff > 0 else 1.0
-    if ratio < 1.0:  # the forward runs faster than the curve says: nothing is left to charge per round
-        return max(ratio, 0.5), 0.0
-    excess = deque(max(y - f, 0.0) / s for f, y, s in steps)
-    return 1.0, _median(excess, 0.0)
-
-
-def _median(values: deque[float], default: float) -> float:
-    """The median (the lower middle value of an even count); `default` when there are none."""
-    if not values:
-        return default
-    ordered = sorted(values)
-    return ordered[(len(ordered) - 1) // 2]
-
-
-EXPLORE_EVERY = 8  # steps without any draft before one session drafts again (cost and acceptance move)
-EXPLORE_AT_MOST_EVERY = 64  # ... doubling up to this while the explorations do not make drafting pay
-
-
-class AdaptivePolicy:
-    """One engine's `verify_policy: adaptive`, step by step: which sessions draft and how many of their
-    proposals are verified, from the start-up cost curve, the drafter's cost learned from its calls and
-    the per-round overhead learned from the steps (`StepCalibration`). The engine tells it what each step
-    did; the decisions are the pure functions above."""
-
-    def __init__(self, cost_curve: CostCurve) -> None:
-        self.cost_curve = cost_curve
-        self.draft_cost = DraftCost()
-        self.calibration = StepCalibration()
-        self._steps_without_draft = 0
-        self._explore_every = EXPLORE_EVERY
-
-    def overhead_ms(self, now: float, num_sessions: int) -> float:
-        """At a step's start: the time this step will cost beyond drafting and the forward."""
-        self.calibration.step_started(now)
-        return self.calibration.round_overhead_ms * num_sessions
-
-    def drafted(self, rates: Sequence[float], max_drafts: Sequence[int], waited: Sequence[int], base_tokens: int,
-                overhead_ms: float) -> list[bool]:
-        """`choose_drafted`, and when nobody has drafted for a while, the session that waited longest
-        (`waited`: steps since each last drafted) drafts once, so its acceptance estimate and the drafter's
-        cost stay current. The while is EXPLORE_EVERY steps, doubled (up to EXPLORE_AT_MOST_EVERY) after
-        each exploration that still leaves drafting unpaid: a batch where speculation does not pay keeps
-        paying for the explorations only rarely."""
-        drafted = choose_drafted(rates, max_drafts, base_tokens, self._curve(), self.draft_cost, overhead_ms,
-                                 margin=self.calibration.relative_error)
-        if any(drafted):
-            self._steps_without_draft, self._explore_every = 0, EXPLORE_EVERY
-            return drafted
-        self._steps_without_draft += 1
-        if self._steps_without_draft >= self._explore_every:
-            candidates = [i for i, m in enumerate(max_drafts) if m > 0]
-            if candidates:
-                drafted[max(candidates, key=lambda i: waited[i])] = True
-                self._steps_without_draft = 0
-                self._explore_every = min(2 * self._explore_every, EXPLORE_AT_MOST_EVERY)
-        return drafted
-
-    def drafter_ran(self, sessions: int, ms: float) -> None:
-        self.draft_cost.observe(sessions, ms)
-
-    def verify_lengths(self, probs: Sequence[torch.Tensor], base_tokens: int, fixed_ms: float) -> list[int]:
-        return choose_verify_lengths(probs, base_tokens, self._curve(), fixed_ms)
-
-    def step_ran(self, start: float, draft_ms: float, num_tokens: int, num_sessions: int) -> None:
-        self.calibration.step_ran(start, draft_ms, self.cost_curve(num_tokens), num_sessions)
+    def step_ran(self, decision: Decision, start: float, num_decoding: int, emitted: int,
+                 prefill_tokens: int) -> None:
+        """A decoding step's outcome, measured when the next step starts, as tokens per session per
+        plain step of as many sessions (`batch_curve`, measured at start-up): batches of different
+        sizes in one bucket then compare, and a drafting arm's ragged ends (sessions finishing at
+        different steps) are not mistaken for speed. A step that prefills is not what
+        an arm costs and is not measured; the first step of a drafting arm after plain ones is (its
+        drafter catches up on their context: part of what switching to it costs)."""
+        if num_decoding and not prefill_tokens:
+            plain_ms = self.batch_curve(num_decoding)
+            self._open = (self._bucket(num_decoding), decision.arm, start, emitted / num_decoding * plain_ms)
 
     def idle(self) -> None:
-        self.calibration.idle()
+        self._open = None
 
-    def _curve(self) -> CostCurve:
-        """The start-up curve at the speed the forward runs now (`StepCalibration.forward_scale`)."""
-        scale = self.calibration.forward_scale
-        if scale == 1.0:
-            return self.cost_curve
-        return CostCurve(self.cost_curve.tokens, tuple(m * scale for m in self.cost_curve.ms))
+    def best(self, num_decoding: int) -> tuple[str, dict[str, float | None]]:
+        """The best arm at this batch and each other arm's measured ratio to it, for metrics and tests."""
+        bucket = self._bucket(num_decoding)
+        return bucket.best, {a: bucket.ratio(a) for a in ARMS if a != bucket.best}
+
+    def _bucket(self, num_decoding: int) -> _Bucket:
+        """A new batch size starts from the best arm of the nearest one measured (full when none)."""
+        key = 1 << max(num_decoding - 1, 0).bit_length()  # 1, 2, 4, 8, 16, ...
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            near = min(self._buckets, key=lambda k: abs(k.bit_length() - key.bit_length()), default=None)
+            bucket = self._buckets[key] = _Bucket(self._buckets[near].best if near is not None else ARMS[0])
+        return bucket

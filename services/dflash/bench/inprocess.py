@@ -104,22 +104,26 @@ def _tau(totals: Sequence) -> float | None:
     return sum(t.generated_tokens - 1 for t in totals if t is not None) / rounds if rounds else None
 
 
-def sweep(engine: SpeculativeEngine, prompts: Sequence[list[int]], concurrencies: Sequence[int],
+def sweep(engines: dict[str, SpeculativeEngine], prompts: Sequence[list[int]], concurrencies: Sequence[int],
           max_new_tokens: int) -> list[Cell]:
-    """Each way at each concurrency (the last `c` prompts), target-only and DFlash; one warm-up first.
-    The loop-thread runs come last, as the loop cannot be stopped once started."""
-    methods = [("target-only", SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, block_size=1))]
-    if engine.drafter is not None:
-        methods.append(("dflash", SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)))
-    driven(engine, prompts[:2], methods[-1][1], "warm-up")
+    """Each way at each concurrency (the last `c` prompts): target-only on the first engine, DFlash on
+    each (`engines`: verify policy name -> engine); one warm-up first. The loop-thread runs come last,
+    as the loop cannot be stopped once started."""
+    first = next(iter(engines.values()))
+    plain = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, block_size=1)
+    spec = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    methods = [("target-only", first, plain)]
+    methods += [(f"dflash {name}", e, spec) for name, e in engines.items() if e.drafter is not None]
+    for _, engine, params in methods[1:]:
+        driven(engine, prompts[:2], params, "warm-up")
     cells = []
     for c in concurrencies:
         batch = list(prompts[-c:])
-        cells.append(static_batch(engine, batch, max_new_tokens))
-        cells += [driven(engine, batch, params, name) for name, params in methods]
+        cells.append(static_batch(first, batch, max_new_tokens))
+        cells += [driven(engine, batch, params, name) for name, engine, params in methods]
     for c in concurrencies:
         batch = list(prompts[-c:])
-        cells += [streams(engine, batch, params, name) for name, params in methods]
+        cells += [streams(engine, batch, params, name) for name, engine, params in methods]
     return cells
 
 

@@ -12,7 +12,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ..errors import DFlashError
@@ -139,6 +139,7 @@ class LoadMethod:
     name: str
     block_size: int | None
     openai_url: str = ""
+    in_process: bool = False  # through an engine in this process (bench/inprocess_client.py), not a server
 
 
 METHODS = (LoadMethod("dflash", None), LoadMethod("target-only", 1))
@@ -159,11 +160,12 @@ class SweepSettings:
     methods: tuple[LoadMethod, ...] = METHODS
     token: str = field(default="", repr=False)
     openai_token: str = field(default="", repr=False)  # the OpenAI servers' API key ("": token)
+    in_process: object = field(default=None, repr=False)  # the in-process methods' client (InProcessClient)
 
     def public(self) -> dict:
         """The settings as written to load.json (no tokens)."""
-        d = asdict(self)
-        del d["token"], d["openai_token"]
+        d = asdict(replace(self, in_process=None))  # an engine is not settings (nor copyable)
+        del d["token"], d["openai_token"], d["in_process"]
         return d
 
 
@@ -207,7 +209,9 @@ def connect_all(settings: SweepSettings) -> dict[str, Client | OpenAIClient]:
     grpc_client = None
     clients: dict[str, Client | OpenAIClient] = {}
     for method in settings.methods:
-        if method.openai_url:
+        if method.in_process:
+            clients[method.name] = settings.in_process
+        elif method.openai_url:
             clients[method.name] = OpenAIClient(method.openai_url, settings.openai_token or settings.token)
         else:
             grpc_client = grpc_client or connect(settings.address, settings.token)
@@ -291,8 +295,14 @@ def method_ratios(cells: list[dict], methods: tuple[LoadMethod, ...] = METHODS) 
     rate = {(c["method"], c["concurrency"]): c["tokens_per_s"] for c in cells}
     first = methods[0].name
     concurrencies = sorted({c for _, c in rate})
-    return {f"{first}/{m.name}": {str(c): _ratio(rate.get((first, c)), rate.get((m.name, c))) for c in concurrencies}
-            for m in methods[1:]}
+    ratios = {f"{first}/{m.name}": {str(c): _ratio(rate.get((first, c)), rate.get((m.name, c))) for c in concurrencies}
+              for m in methods[1:] if not m.in_process}
+    for m in methods:  # each service method over the same method in process: what the serving path keeps
+        if m.in_process:
+            served = m.name.removeprefix("in-process ")
+            ratios[f"{served}/{m.name}"] = {str(c): _ratio(rate.get((served, c)), rate.get((m.name, c)))
+                                            for c in concurrencies}
+    return ratios
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -76,6 +76,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "http://127.0.0.1:8000/v1; vLLM, SGLang or `dflash serve`'s own) with the same prompts and "
                         "load; NAME labels its column (default: its host:port); repeatable, --service optional")
     p.add_argument("--openai-token", default="", help="API key for the --openai servers (default: --service-token)")
+    p.add_argument("--in-process", action="store_true",
+                   help="load mode: also run dflash and target-only through an engine in this process (the loop "
+                        "on, a thread per stream), in the same sweep: what the serving path keeps of the engine")
     p.add_argument("--requests-per-stream", type=int, default=2, metavar="N",
                    help="load mode: requests each concurrent stream sends, one after another (default 2)")
     p.add_argument("--duration", type=float, metavar="S",
@@ -241,12 +244,17 @@ def run_load_mode(args: argparse.Namespace, settings: BenchArgs) -> int:
     from ..bench.load_report import format_sweep, machine, write_outputs
 
     concurrencies = parse_concurrencies(args.load)
-    if not args.service and not args.openai:
-        raise DFlashError("--load needs --service HOST:PORT of a running `dflash serve`, or --openai URL")
+    if not args.service and not args.openai and not args.in_process:
+        raise DFlashError("--load needs --service HOST:PORT of a running `dflash serve`, --openai URL or --in-process")
     methods = (METHODS if args.service else ()) + openai_methods(args.openai)
+    in_process = None
+    if args.in_process:
+        in_process, extra = in_process_methods(args)
+        methods += extra
     sweep = SweepSettings(args.service or "", concurrencies, args.requests_per_stream, settings.max_new_tokens,
                           settings.temperatures[0], duration_s=settings.duration_s, methods=methods,
-                          token=args.service_token, openai_token=args.openai_token or args.service_token)
+                          token=args.service_token, openai_token=args.openai_token or args.service_token,
+                          in_process=in_process)
     prompts = read_prompts(args, settings.num_prompts)
     result = run_sweep(sweep, prompts, progress=_print_cell)
     print(format_sweep(result))
@@ -254,6 +262,22 @@ def run_load_mode(args: argparse.Namespace, settings: BenchArgs) -> int:
     paths = write_outputs(args.out, result, meta)
     print("\nwrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
+
+
+def in_process_methods(args: argparse.Namespace) -> tuple:
+    """--in-process: the service's two methods again, through an engine in this process built as the
+    verifier builds its own (the service's scheduler defaults), one torch thread unless --threads."""
+    import torch
+
+    from ..bench.inprocess_client import InProcessClient
+    from ..bench.load import METHODS, LoadMethod
+    from ..loading import build_engine
+
+    if not args.threads:
+        torch.set_num_threads(1)  # what Ray gives a verifier replica
+    target, drafter = model_dirs(args)
+    client = InProcessClient(build_engine(target, drafter, device=args.device, dtype=args.dtype))
+    return client, tuple(LoadMethod(f"in-process {m.name}", m.block_size, in_process=True) for m in METHODS)
 
 
 def openai_methods(values: list[str]) -> tuple:

@@ -48,12 +48,15 @@ class StepTelemetry:
                 "dflash.round.index": s.index, "dflash.round.draft_tokens": s.draft_tokens,
                 "dflash.round.accepted_tokens": s.accepted_tokens, "dflash.round.committed": s.committed,
                 "dflash.round.draft_ms": s.draft_ms, "dflash.round.verify_ms": s.verify_ms,
-                "dflash.drafter.replica": s.drafter,
+                "dflash.drafter.replica": s.drafter, "dflash.round.policy_arm": s.policy_arm,
+                "dflash.round.policy_reason": s.policy_reason,
                 "dflash.drafter.fallback": s.index > 0 and gen.block_size > 1 and not s.drafter,
             })
             span.end(end_time=report.end_ns)
-        # The engine retires the sessions this step finished (or failed) right after it: counted as
-        # running, the gauge would read 1 on a server idle since its last request.
-        retiring = {id(gen) for gen, _ in report.rounds if gen.done}
         self.metrics.record_step(report.num_tokens, report.verify_lengths, (report.end_ns - report.start_ns) / 1e9,
-                                 report.num_running - len(retiring), report.num_waiting)
+                                 report.num_running, report.num_waiting)
+
+    def on_sessions(self, num_running: int, num_waiting: int) -> None:
+        # After the engine retired what its step finished, failed or cancelled: the gauges read 0 on a
+        # server idle since its last request, also after a cancel that no step followed.
+        self.metrics.record_sessions(num_running, num_waiting)

@@ -215,7 +215,8 @@ def _round_proto(out: RoundOutput) -> generate_pb2.RoundStats:
     s = out.stats
     return generate_pb2.RoundStats(
         index=s.index, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens, committed=s.committed,
-        draft_ms=s.draft_ms, verify_ms=s.verify_ms, drafter=s.drafter,
+        draft_ms=s.draft_ms, verify_ms=s.verify_ms, drafter=s.drafter, policy_arm=s.policy_arm,
+        policy_reason=s.policy_reason,
     )
 
 

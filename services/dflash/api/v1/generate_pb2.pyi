@@ -58,7 +58,7 @@ class GenerateChunk(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., round: _Optional[_Union[RoundStats, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ..., rounds: _Optional[_Iterable[_Union[RoundStats, _Mapping]]] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("index", "draft_tokens", "accepted_tokens", "committed", "draft_ms", "verify_ms", "drafter")
+    __slots__ = ("index", "draft_tokens", "accepted_tokens", "committed", "draft_ms", "verify_ms", "drafter", "policy_arm", "policy_reason")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,8 @@ class RoundStats(_message.Message):
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    POLICY_ARM_FIELD_NUMBER: _ClassVar[int]
+    POLICY_REASON_FIELD_NUMBER: _ClassVar[int]
     index: int
     draft_tokens: int
     accepted_tokens: int
@@ -73,7 +75,9 @@ class RoundStats(_message.Message):
     draft_ms: float
     verify_ms: float
     drafter: str
-    def __init__(self, index: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., committed: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., drafter: _Optional[str] = ...) -> None: ...
+    policy_arm: str
+    policy_reason: str
+    def __init__(self, index: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., committed: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., drafter: _Optional[str] = ..., policy_arm: _Optional[str] = ..., policy_reason: _Optional[str] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "usage", "tau", "rounds", "decode_tokens_per_s", "ttft_ms")
