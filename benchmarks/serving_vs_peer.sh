@@ -22,7 +22,7 @@ echo "vLLM (DFlash, $DRAFTER) at $VLLM_URL, pid $VLLM_PID" >&2
 
 dflash serve --port "${PORT:-9000}" --openai-port "${OPENAI_PORT:-8000}" >"$LOGS/dflash-serve.log" 2>&1 &
 SERVE_PID=$!
-trap 'kill -INT $SERVE_PID 2>/dev/null || true; kill -TERM -- -$VLLM_PID 2>/dev/null || true; wait $SERVE_PID 2>/dev/null || true' EXIT
+trap 'kill -TERM $SERVE_PID 2>/dev/null || true; kill -TERM -- -$VLLM_PID 2>/dev/null || true; wait $SERVE_PID 2>/dev/null || true' EXIT
 until grep -q "serving dflash.v1.Generation" "$LOGS/dflash-serve.log"; do
   kill -0 $SERVE_PID 2>/dev/null || { cat "$LOGS/dflash-serve.log" >&2; exit 1; }
   sleep 1

@@ -217,13 +217,9 @@ class SpeculativeEngine:
                 rounds = gen.take_ready()
                 if rounds:
                     yield rounds
-                    if rounds[-1].finish_reason is not None:
-                        return
-                elif gen.error is not None:
-                    raise gen.error
-                elif gen.cancelled:
-                    return
-                elif self._loop is None:
+                if rounds is not None and (not rounds or rounds[-1].finish_reason is not None):
+                    return  # its end, or cancelled
+                if rounds is None and self._loop is None:
                     self.step(waiter=gen)
         finally:
             if not gen.finished:

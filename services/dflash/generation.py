@@ -137,12 +137,18 @@ class Generation:
             interval_s = self.stream_interval_s
         return self.woken_at is None or now - self.woken_at >= interval_s  # never woken: its first output
 
-    def take_ready(self) -> list[RoundOutput]:
-        """Pop every round the outbox holds, up to and including the last one (the stream's side)."""
+    def take_ready(self) -> list[RoundOutput] | None:
+        """The stream's side, when woken: every round the outbox holds (up to and including the last
+        one); raises the request's error once its rounds are read; [] when it was cancelled; None while
+        nothing is there yet."""
         rounds: list[RoundOutput] = []
         while self.outbox and (not rounds or rounds[-1].finish_reason is None):
             rounds.append(self.outbox.popleft())
-        return rounds
+        if rounds:
+            return rounds
+        if self.error is not None:
+            raise self.error
+        return [] if self.cancelled else None
 
     def emit(self, max_positions: int, new_tokens: list[int], stats: RoundStats) -> RoundOutput:
         """Commit what a round accepted, as far as stops, max_new_tokens and the context allow; the round

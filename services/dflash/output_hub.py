@@ -56,12 +56,8 @@ class AsyncOutputs:
                 rounds = gen.take_ready()
                 if rounds:
                     yield rounds
-                    if rounds[-1].finish_reason is not None:
-                        return
-                elif gen.error is not None:
-                    raise gen.error
-                elif gen.cancelled:
-                    return
+                if rounds is not None and (not rounds or rounds[-1].finish_reason is not None):
+                    return  # its end, or cancelled
         finally:
             self._ready.pop(id(gen), None)
             if not gen.finished:

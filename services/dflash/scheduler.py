@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # the service's config reads SchedulerConfig and must not imp
     from .kv_cache import KVCache
 
 
-DEFAULT_STREAM_INTERVAL_MS = 20.0  # measured: docs/service.md#streaming
+DEFAULT_STREAM_INTERVAL_MS = 50.0  # measured: docs/service.md#streaming
 MAX_STREAM_INTERVAL_MS = 10_000
 
 

@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
     p.add_argument("--stream-interval-ms", type=float,
                    help="a stream's first token goes at once, then what is ready at most every this many ms "
-                        "(default 20; 0: every round); a request may set its own")
+                        "(default 50; 0: every round); a request may set its own")
     p.add_argument("--verify-policy", choices=("adaptive", "full"),
                    help="adaptive: verify what pays at this batch on this device (default); full: every proposal")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for local Ray (default: all)")
