@@ -211,8 +211,8 @@ class SpeculativeEngine:
         step this reader runs."""
         try:
             while True:
-                if self._loop is not None:  # the loop wakes this stream when its output is worth sending
-                    gen.wakeup.wait()
+                if self._loop is not None and not gen.outbox and not gen.done:  # the loop wakes it when
+                    gen.wakeup.wait()                                             # its output is worth sending
                     gen.wakeup.clear()
                 rounds = gen.take_ready()
                 if rounds:

@@ -51,8 +51,9 @@ class AsyncOutputs:
         ready = self._ready[id(gen)]
         try:
             while True:
-                await ready.wait()
-                ready.clear()
+                if not gen.outbox and not gen.done:  # an error after rounds still unread: no wake-up follows
+                    await ready.wait()
+                    ready.clear()
                 rounds = gen.take_ready()
                 if rounds:
                     yield rounds
