@@ -142,7 +142,8 @@ def test_renders_the_expected_objects(variant):
     expected = ["NetworkPolicy", "Pod", "RayService", "ServiceAccount", "ServiceAccount",
                 "PodDisruptionBudget", "PodDisruptionBudget"]
     if internal_redis:
-        expected += ["NetworkPolicy", "Secret", "Service", "StatefulSet", "PodDisruptionBudget"]
+        # Its Secret, its ClusterIP Service and the StatefulSet's headless one, the StatefulSet, its budget.
+        expected += ["NetworkPolicy", "Secret", "Service", "Service", "StatefulSet", "PodDisruptionBudget"]
     if value(variant, "tls.enabled"):
         expected += ["Deployment", "Service", "NetworkPolicy", "PodDisruptionBudget"]
     if not value(variant, "drafter.net.auth.existingSecret"):
@@ -369,9 +370,20 @@ def test_colocated_mode_has_no_drafter_group():
     assert budgets == ["dflash-verifier", "dflash-redis"]
 
 
+def kuberay_resources_map(params: dict) -> dict:
+    """KubeRay's reading of rayStartParams["resources"] (common/pod.go, getResourcesMap, v1.6.0 to v1.7.0):
+    strings.Trim(s, "'\\"` ") and json.Unmarshal into map[string]float64. An error there makes
+    addWellKnownAcceleratorResources give up (generateRayStartCommand logs it)."""
+    raw = params.get("resources")
+    if raw is None:
+        return {}
+    resources = json.loads(raw.strip("'\"` "))
+    assert isinstance(resources, dict) and all(isinstance(v, (int, float)) for v in resources.values())
+    return {k: float(v) for k, v in resources.items()}
+
+
 def ray_resources(group: dict) -> dict:
-    raw = group["rayStartParams"].get("resources")
-    return json.loads(json.loads(raw)) if raw else {}  # KubeRay wants the JSON quoted once more
+    return kuberay_resources_map(group["rayStartParams"])
 
 
 def test_a_value_the_service_does_not_understand_fails():
@@ -457,11 +469,11 @@ def test_gpu_split(variant):
         if cpu_only:
             assert "nvidia.com/gpu" not in limits and "nodeSelector" not in spec
             continue
-        assert limits["nvidia.com/gpu"] >= 1
-        assert spec["nodeSelector"], f"{role} pods need their GPU node group"
+        assert limits["nvidia.com/gpu"] >= 1 and limits["nvidia.com/gpu"] == spec["containers"][0]["resources"]["requests"]["nvidia.com/gpu"]
         assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
-    if not cpu_only:
-        assert g["verifier"]["template"]["spec"]["nodeSelector"] != g["drafter"]["template"]["spec"]["nodeSelector"]
+    selectors = [g[role]["template"]["spec"].get("nodeSelector") for role in ("verifier", "drafter")]
+    if all(selectors):  # a variant that names both node groups names two different ones
+        assert selectors[0] != selectors[1]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -1476,3 +1488,187 @@ def test_a_ci_variant_locks_the_drafter_api_down():
     assert value("drafter-mtls", "drafter.net.tls.existingSecret") and value("drafter-mtls", "grpc.reflection") is False
     secrets = [o["metadata"]["name"] for o in variant_objects("drafter-mtls") if o["kind"] == "Secret"]
     assert not [name for name in secrets if "drafter" in name]
+
+
+# Second review (issue 36), 7: GPU nodes without GPU Feature Discovery ------------------------------------------
+
+def test_gpu_groups_need_no_gpu_feature_discovery():
+    """nvidia.com/gpu.product exists only where GPU Feature Discovery runs, and clouds label GPU nodes their own
+    way: by default the GPU groups select no node label. Their nvidia.com/gpu request already limits them to
+    nodes whose device plugin offers GPUs; NOTES and docs/kubernetes.md say how to pin each group per cloud."""
+    objs = variant_objects("default")
+    for obj in objs:
+        for spec in pod_specs(obj):
+            assert "nodeSelector" not in spec and "affinity" not in spec, obj["metadata"]["name"]
+    for role in ("verifier", "drafter"):
+        resources = groups("default")[role]["template"]["spec"]["containers"][0]["resources"]
+        assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] >= 1
+    text = render({})["dflash/templates/NOTES.txt"]
+    assert "verifier.pods.nodeSelector and drafter.pods.nodeSelector" in text
+    pinned = {"verifier": {"pods": {"nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}}},
+              "drafter": {"pods": {"nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"}}}}
+    assert "nodeSelector" not in render(pinned)["dflash/templates/NOTES.txt"]
+    assert "nodeSelector" not in render(variant_values("cpu-demo"))["dflash/templates/NOTES.txt"]  # no GPUs asked
+    docs = (REPO / "docs" / "kubernetes.md").read_text()
+    for label in ("cloud.google.com/gke-accelerator", "node.kubernetes.io/instance-type",
+                  "karpenter.k8s.aws/instance-gpu-name", "kubernetes.azure.com/agentpool", "nvidia.com/gpu.product"):
+        assert f"`{label}" in docs, label
+
+
+# Second review (issue 36), 10: image pull secrets, Redis's governing Service, spreading, Ray resources ----------
+
+def test_every_pod_gets_the_image_pull_secrets():
+    """Redis's pod too: a cluster that pulls only from a private mirror needs the secret for redis:* as well."""
+    secrets = [{"name": "regcred"}]
+    values = {"imagePullSecrets": secrets, "tls": {"enabled": True, "existingSecret": "tls"}}
+    templates = [t for o in objects(render(values)) for t in pod_templates(o)]
+    kinds = {o["kind"] for o in objects(render(values)) if pod_templates(o)}
+    assert kinds == {"RayService", "StatefulSet", "Deployment", "Pod"}
+    assert [t["spec"].get("imagePullSecrets") for t in templates] == [secrets] * len(templates)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_redis_statefulset_is_governed_by_a_headless_service(variant):
+    """A StatefulSet's serviceName must name a headless Service (clusterIP None) selecting its pods: that Service
+    gives each pod its DNS name. Clients keep the ClusterIP Service <full>-redis."""
+    if value(variant, "redis.mode") != "internal":
+        return
+    objs = variant_objects(variant)
+    sts = one(objs, "StatefulSet", "-redis")
+    governing = one(objs, "Service", sts["spec"]["serviceName"])
+    assert governing["metadata"]["name"] == sts["spec"]["serviceName"] == f"{sts['metadata']['name']}-headless"
+    assert governing["spec"]["clusterIP"] == "None"
+    assert selects(governing, sts["spec"]["template"]["metadata"]["labels"])
+    client = one(objs, "Service", "-redis")
+    assert "clusterIP" not in client["spec"] and client["spec"]["type"] == "ClusterIP"
+    assert env_of(groups(variant)["verifier"]["template"]["spec"]["containers"][0])["DFLASH_REDIS__URL"]["value"] \
+        .endswith(f"@{client['metadata']['name']}:6379/0")
+
+
+REDIS_LOOKUP = 'lookup "apps/v1" "StatefulSet" .Release.Namespace $name'
+
+
+def chart_with_installed_redis(tmp_path: Path, service_name: str, size: str, storage_class: str | None = None) -> Path:
+    """A copy of the chart whose `lookup` of the Redis StatefulSet finds one, as the API server returns it on an
+    upgrade; rendering offline, lookup finds nothing."""
+    chart = tmp_path / "dflash"
+    shutil.copytree(CHART, chart)
+    path = chart / "templates" / "redis.yaml"
+    text = path.read_text()
+    assert text.count(REDIS_LOOKUP) == 1
+    claim_spec = f'"resources" (dict "requests" (dict "storage" "{size}"))'
+    if storage_class is not None:
+        claim_spec += f' "storageClassName" "{storage_class}"'
+    live = (f'dict "spec" (dict "serviceName" "{service_name}" "volumeClaimTemplates" '
+            f'(list (dict "metadata" (dict "name" "data") "spec" (dict {claim_spec}))))')
+    path.write_text(text.replace(REDIS_LOOKUP, live))
+    return chart
+
+
+def render_upgrade(chart: Path, values: dict) -> list[dict]:
+    with helm.Chart.load(str(chart)) as c:
+        return objects(c.render(values, name="dflash", namespace="dflash", is_upgrade=True))
+
+
+def test_redis_upgrade_keeps_what_a_statefulset_cannot_change(tmp_path):
+    """Kubernetes refuses any update of a StatefulSet's serviceName or volumeClaimTemplates (ValidateStatefulSetUpdate:
+    "updates to statefulset spec for fields other than 'replicas', ..., 'template', 'updateStrategy', ... are
+    forbidden"). An installed release keeps its serviceName (0.1.0 named the ClusterIP Service); a changed
+    persistence size or class fails the render with the way out instead of failing in the API server mid-upgrade."""
+    chart = chart_with_installed_redis(tmp_path, "dflash-redis", "4Gi")
+    sts = one(render_upgrade(chart, {}), "StatefulSet", "-redis")
+    assert sts["spec"]["serviceName"] == "dflash-redis"
+    assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "4Gi"
+    # The same size written another way is no change.
+    assert one(render_upgrade(chart, {"redis": {"persistence": {"size": "4096Mi"}}}), "StatefulSet", "-redis")
+    with pytest.raises(helm.HelmError, match=re.escape(
+            "redis.persistence.size 8Gi differs from the installed StatefulSet dflash-redis's 4Gi")):
+        render_upgrade(chart, {"redis": {"persistence": {"size": "8Gi"}}})
+    with pytest.raises(helm.HelmError, match=re.escape('redis.persistence.storageClass "fast" differs')):
+        render_upgrade(chart, {"redis": {"persistence": {"storageClass": "fast"}}})
+    classed = chart_with_installed_redis(tmp_path / "classed", "dflash-redis-headless", "4Gi", "fast")
+    assert one(render_upgrade(classed, {"redis": {"persistence": {"storageClass": "fast"}}}),
+               "StatefulSet", "-redis")["spec"]["serviceName"] == "dflash-redis-headless"
+    docs = (REPO / "docs" / "kubernetes.md").read_text()
+    assert "### Redis's volume" in docs and "--cascade=orphan" in docs
+
+
+def spread_pods(variant: str) -> dict[str, tuple[dict, dict]]:
+    """Pods that run as several replicas: name -> (pod spec, pod labels)."""
+    g = groups(variant)
+    out = {role: (g[role]["template"]["spec"], g[role]["template"]["metadata"]["labels"])
+           for role in ("verifier", "drafter") if role in g}
+    if value(variant, "tls.enabled"):
+        front = one(variant_objects(variant), "Deployment", "-tls-front")["spec"]["template"]
+        out["tls-front"] = (front["spec"], front["metadata"]["labels"])
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_replicas_spread_over_nodes(variant):
+    """By default each worker group's pods, and the TLS front's, carry a soft topology spread over nodes whose
+    selector counts exactly that group's pods: a node's loss takes fewer verifiers at once, and a pod still
+    schedules when the nodes cannot be evened out (ScheduleAnyway). KubeRay copies the pod template's spec into
+    each pod as is (common/pod.go, DefaultWorkerPodTemplate); it sets no spread or affinity of its own."""
+    pods = spread_pods(variant)
+    others = {name: labels for name, (_, labels) in pods.items()}
+    others["head"] = groups(variant)["head"]["template"]["metadata"]["labels"]
+    for name, (spec, labels) in pods.items():
+        (constraint,) = spec["topologySpreadConstraints"]
+        assert constraint["topologyKey"] == "kubernetes.io/hostname" and constraint["maxSkew"] == 1
+        assert constraint["whenUnsatisfiable"] == "ScheduleAnyway"
+        selector = constraint["labelSelector"]["matchLabels"]
+        assert [n for n, pod_labels in others.items() if selector.items() <= pod_labels.items()] == [name]
+    assert "topologySpreadConstraints" not in groups(variant)["head"]["template"]["spec"]
+
+
+def test_spreading_is_configurable():
+    zone = {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule"}
+    mine = {**zone, "labelSelector": {"matchLabels": {"team": "a"}}}
+    objs = objects(render({"verifier": {"pods": {"topologySpreadConstraints": [zone]}},
+                           "drafter": {"pods": {"topologySpreadConstraints": []}},
+                           "tls": {"enabled": True, "existingSecret": "tls", "topologySpreadConstraints": [mine]}}))
+    g = {grp.get("groupName", "head"): grp["template"] for grp in groups_of(one(objs, "RayService"))}
+    (verifier,) = g["verifier"]["spec"]["topologySpreadConstraints"]
+    assert verifier == {**zone, "labelSelector": {"matchLabels": {
+        k: g["verifier"]["metadata"]["labels"][k] for k in verifier["labelSelector"]["matchLabels"]}}}
+    assert verifier["labelSelector"]["matchLabels"]["dflash.dev/role"] == "verifier"
+    assert "topologySpreadConstraints" not in g["drafter"]["spec"]
+    assert one(objs, "Deployment", "-tls-front")["spec"]["template"]["spec"]["topologySpreadConstraints"] == [mine]
+    with pytest.raises(helm.HelmValuesError, match="whenUnsatisfiable"):
+        render({"verifier": {"pods": {"topologySpreadConstraints": [{**zone, "whenUnsatisfiable": "Maybe"}]}}})
+
+
+def kuberay_start_flag(params: dict, option: str) -> str:
+    """The flag KubeRay writes into the Ray container's command (common/pod.go, convertParamMap: " --%s=%s ")."""
+    return f" --{option}={params[option]} "
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kuberay_parses_the_resources_param(variant):
+    """Each group's rayStartParams "resources" is the form KubeRay writes itself ('<json>'): KubeRay parses it
+    (getResourcesMap, restated in kuberay_resources_map), Ray's autoscaler reads the same resources from the
+    RayCluster (autoscaling_config._get_custom_resources), and bash, which runs KubeRay's `ray start` line
+    (/bin/bash -lc), passes Ray's CLI the JSON it parses (parse_resources_json). Ray 2.60, KubeRay v1.6.0 to v1.7.0."""
+    import subprocess
+
+    from ray._private.utils import parse_resources_json
+    from ray.autoscaler._private.kuberay.autoscaling_config import _get_custom_resources
+
+    for name, group in groups(variant).items():
+        params = group["rayStartParams"]
+        kuberay = kuberay_resources_map(params)
+        assert kuberay and set(kuberay) == {value(variant, "ingress.rayResource" if name == "head"
+                                                  else f"{name}.rayResource")}
+        assert {k: float(v) for k, v in _get_custom_resources({}, params, name).items()} == kuberay
+        word = subprocess.run(["bash", "-c", f"printf '%s\\n'{kuberay_start_flag(params, 'resources')}"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        assert word.startswith("--resources=")
+        assert parse_resources_json(word.removeprefix("--resources="), None, None) == kuberay
+
+
+def test_the_old_resources_form_failed_kuberays_parser():
+    """The chart rendered "{\\"name\\": n}" until now (backslash-escaped, in double quotes), which Ray's autoscaler reads but
+    KubeRay's getResourcesMap cannot: after trimming the quotes the backslashes stay, and json.Unmarshal fails."""
+    with pytest.raises(json.JSONDecodeError):
+        kuberay_resources_map({"resources": '"{\\"dflash_verifier\\": 1}"'})

@@ -120,6 +120,38 @@ to whatever else maps shared memory (torch, NCCL). Unset, Ray sizes the store at
 {{- mulf (include "dflash.bytes" . | float64) 0.8 | floor | int64 }}
 {{- end }}
 
+{{/*
+The rayStartParams "resources" value for these custom Ray resources (pass a dict name -> integer units): JSON in
+single quotes, the form KubeRay writes itself. KubeRay trims the quotes and parses the JSON
+(common/pod.go, getResourcesMap, v1.6.0 to v1.7.0: a failure there skips addWellKnownAcceleratorResources), Ray's
+autoscaler drops the outer pair and parses the rest (autoscaling_config._get_custom_resources), and the
+bash that runs KubeRay's `ray start ... --resources=VALUE` hands Ray the bare JSON.
+*/}}
+{{- define "dflash.rayResourcesParam" -}}
+{{- printf "'%s'" (toJson .) }}
+{{- end }}
+
+{{/*
+Topology spread constraints of a set of pods: the value's list or, when it is null, one soft constraint over
+nodes; a constraint without labelSelector gets one selecting these pods. Renders nothing for [].
+Pass (dict "value" list-or-null "selector" (dict label value ...)).
+*/}}
+{{- define "dflash.topologySpread" -}}
+{{- $list := .value }}
+{{- if kindIs "invalid" $list }}
+{{- $list = list (dict "maxSkew" 1 "topologyKey" "kubernetes.io/hostname" "whenUnsatisfiable" "ScheduleAnyway") }}
+{{- end }}
+{{- $out := list }}
+{{- range $list }}
+{{- $c := deepCopy . }}
+{{- if not (hasKey $c "labelSelector") }}
+{{- $_ := set $c "labelSelector" (dict "matchLabels" $.selector) }}
+{{- end }}
+{{- $out = append $out $c }}
+{{- end }}
+{{- with $out }}{{ toYaml . }}{{ end }}
+{{- end }}
+
 {{/* "true" when a worker group's replicas use GPUs (pass (dict "ctx" $ "role" "verifier")), else empty. */}}
 {{- define "dflash.hasGpus" -}}
 {{- $r := index .ctx.Values .role -}}
@@ -372,5 +404,14 @@ spec:
   {{- with $sched.affinity }}
   affinity:
     {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- if ne .role "head" }}
+  {{- $selector := include "dflash.componentSelector" (dict "ctx" .ctx "component" "ray") | fromYaml }}
+  {{- $_ := set $selector "dflash.dev/role" .role }}
+  {{- with include "dflash.topologySpread" (dict "value" $sched.topologySpreadConstraints "selector" $selector) }}
+  # The group's pods spread over nodes (softly by default): a lost node takes fewer of them.
+  topologySpreadConstraints:
+    {{- . | nindent 4 }}
+  {{- end }}
   {{- end }}
 {{- end }}
