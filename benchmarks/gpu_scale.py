@@ -203,7 +203,7 @@ def measure_batched(target: TargetModel, plain: TargetModel, drafter: LocalDraft
     device, dtype = drafter.embed_tokens.weight.device, drafter.embed_tokens.weight.dtype
     g = torch.Generator(device="cpu").manual_seed(0)
     sessions = [f"batch-{i}" for i in range(most)]
-    cache = target.new_cache(most * (context + qmax))
+    cache = target.new_cache(most * (context + qmax), most)
     for s in sessions:
         cache.reserve(s, context + qmax)
     per = max(1, PREFILL_TOKENS // max(context, 1))

@@ -72,7 +72,7 @@ def test_speculative_sampling_matches_target_distribution(model_and_script):
 def test_the_test_catches_an_off_by_one_acceptance_rule(model_and_script, monkeypatch):
     """Accepting one draft token more than the target agreed with biases the output; the test sees it."""
     model, script = model_and_script
-    monkeypatch.setattr(dflash.engine, "accept_length", lambda d, p: min(accept_length(d, p) + 1, d.shape[0]))
+    monkeypatch.setattr(dflash.engine, "accept_length", lambda d, p: min(accept_length(d, p) + 1, len(d)))
     assert p_value(exact_joint(model), sample_counts(model, script)) < 1e-6
 
 

@@ -67,11 +67,12 @@ def tiny_drafter(target_model, block_size: int = 16, num_layers: int = 2, seed: 
 FULL = SchedulerConfig(verify_policy="full")
 
 
-def engine_for(target_model, drafter_model=None, tokenizer=None, eos=(), config=FULL) -> SpeculativeEngine:
+def engine_for(target_model, drafter_model=None, tokenizer=None, eos=(), config=FULL,
+               attention="auto") -> SpeculativeEngine:
     if drafter_model is None:
-        return SpeculativeEngine(TargetModel(target_model), None, tokenizer, eos, config)
-    target = TargetModel(target_model, drafter_model.config.target_layer_ids)
-    drafter = LocalDrafter(drafter_model, target.embed_tokens, target.lm_head)
+        return SpeculativeEngine(TargetModel(target_model, attention=attention), None, tokenizer, eos, config)
+    target = TargetModel(target_model, drafter_model.config.target_layer_ids, attention=attention)
+    drafter = LocalDrafter(drafter_model, target.embed_tokens, target.lm_head, attention=attention)
     return SpeculativeEngine(target, drafter, tokenizer, eos, config)
 
 

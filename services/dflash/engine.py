@@ -31,10 +31,10 @@ from .intake import RequestLimits, new_generation
 from .journal import CommittedRound, RoundJournal, SessionFencedError
 from .params import SamplingParams
 from .rounds import accept_length, committed_tokens
-from .sampling import sample_tokens
+from .sampling import sample_rows, sample_tokens
 from .scheduler import MAX_STREAM_INTERVAL_MS, Scheduler, SchedulerConfig, StepPlan
 from .stats import GenerationStats, RoundStats
-from .target import ForwardItem, TargetModel, TargetOutput
+from .target import ForwardItem, PackedOutput, TargetModel, TargetOutput
 from .verify_policy import CostCurve, Decision, MeasuredPolicy, measure_batch_cost, measure_target_cost
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ class SpeculativeEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.limits = RequestLimits(target.vocab_size, target.max_positions, drafter.block_size if drafter else 0)
         self.config = config
-        self.cache = target.new_cache(config.cache_tokens)
+        self.cache = target.new_cache(config.cache_tokens, config.max_running)
         self.scheduler = Scheduler(config, self.cache)
         self.observer = observer
         self.journal = journal
@@ -317,24 +317,28 @@ class SpeculativeEngine:
         t1 = time.perf_counter()
         draft_ms = (t1 - t0) * 1000
         lengths = self._verify_lengths(decision, drafts, base_tokens, draft_ms)
-        verified = [d.tokens[:k] for d, k in zip(drafts, lengths)]
-        items = [ForwardItem(g.request_id, (g.last_token, *v.tolist()), g.position)
-                 for g, v in zip(plan.decodes, verified)]
+        verified = [d.tokens.tolist()[:k] for d, k in zip(drafts, lengths)]
+        items = [ForwardItem(g.request_id, (g.last_token, *v), g.position) for g, v in zip(plan.decodes, verified)]
         items += [ForwardItem(g.request_id, tuple(g.prefill_ids[g.num_cached : g.num_cached + n]), g.num_cached,
                               last_only=True) for g, n in plan.prefills]
         outs = self.target.forward(self.cache, items)
+        num_decodes = len(plan.decodes)
+        posteriors = sample_rows(outs.logits, [(g.params, g.seed, g.position + 1, outs.logit_starts[i], len(v) + 1)
+                                               for i, (g, v) in enumerate(zip(plan.decodes, verified))])
+        accepted = [accept_length(v, post) for v, post in zip(verified, posteriors)]
+        features = self._kept_features(plan.decodes, outs, accepted)
         verify_ms = self._ms_since(t1)
         num_tokens = sum(len(i.token_ids) for i in items)
         report = StepReport(start_ns, 0, draft_ms, verify_ms, num_tokens,
                             verify_lengths=lengths, prefill_tokens=prefill_tokens)
-        for gen, draft, tokens, out in zip(plan.decodes, drafts, verified, outs):
-            round_out = self._verify_round(gen, tokens, out, draft_ms, verify_ms, draft.replica, decision)
+        for gen, draft, tokens, post, n, feats in zip(plan.decodes, drafts, verified, posteriors, accepted, features):
+            round_out = self._verify_round(gen, tokens, post, n, feats, draft_ms, verify_ms, draft.replica, decision)
             report.rounds.append((gen, round_out))
         if self.policy is not None:
             emitted = sum(len(r.token_ids) for _, r in report.rounds)
             self.policy.step_ran(decision, t0, len(plan.decodes), emitted, prefill_tokens)
-        for (gen, n), out in zip(plan.prefills, outs[len(plan.decodes):]):
-            round_out = self._prefill_chunk(gen, n, out, verify_ms)
+        for i, (gen, n) in enumerate(plan.prefills, start=num_decodes):
+            round_out = self._prefill_chunk(gen, n, outs[i], verify_ms)
             if round_out is not None:
                 report.rounds.append((gen, round_out))
         self._journal(report)
@@ -389,7 +393,8 @@ class SpeculativeEngine:
         for (i, g), r, d in zip(asks, requests, self.drafter.draft_batch(requests)):
             g.drafter_start += r.context.shape[0]
             g.pending_features = []
-            drafts[i] = Draft(d.tokens[: sizes[i] - 1].to("cpu", torch.long), d.probs[: sizes[i] - 1], d.replica)
+            keep = sizes[i] - 1
+            drafts[i] = d if d.tokens.shape[0] <= keep else Draft(d.tokens[:keep], d.probs[:keep], d.replica)
         return drafts
 
     def _decide(self, sizes: list[int]) -> Decision:
@@ -405,15 +410,29 @@ class SpeculativeEngine:
             return [d.tokens.shape[0] for d in drafts]
         return self.policy.verify_lengths(decision, [d.probs for d in drafts], base_tokens, draft_ms)
 
-    def _verify_round(self, gen: Generation, draft: torch.Tensor, out: TargetOutput, draft_ms: float,
-                      verify_ms: float, drafter: str, decision: Decision) -> RoundOutput:
-        """Accept the agreed prefix of the draft plus the bonus token; keep the cache up to it."""
-        posterior = sample_tokens(out.logits, gen.params, gen.seed, gen.position + 1).cpu()
-        accepted = accept_length(draft, posterior)
+    def _kept_features(self, decodes: list[Generation], outs: PackedOutput, accepted: list[int]) -> list[torch.Tensor | None]:
+        """Each drafting session's features of its committed rows (the next draft's context): one gather
+        for all sessions, then a view per session."""
+        drafting = [i for i, g in enumerate(decodes) if g.block_size > 1]
+        if not drafting:
+            return [None] * len(decodes)
+        rows = [outs.offsets[i] + j for i in drafting for j in range(accepted[i] + 1)]
+        kept = outs.features.index_select(0, torch.tensor(rows).to(outs.features.device, non_blocking=True))
+        views: list[torch.Tensor | None] = [None] * len(decodes)
+        at = 0
+        for i in drafting:
+            views[i] = kept[at : at + accepted[i] + 1]
+            at += accepted[i] + 1
+        return views
+
+    def _verify_round(self, gen: Generation, draft: list[int], posterior: list[int], accepted: int,
+                      features: torch.Tensor | None, draft_ms: float, verify_ms: float, drafter: str,
+                      decision: Decision) -> RoundOutput:
+        """Commit the agreed prefix of the draft plus the bonus token; keep the cache up to it."""
         new_tokens = committed_tokens(draft, posterior, accepted)
         self.cache.crop(gen.request_id, gen.position + accepted + 1)
-        if gen.block_size > 1:
-            self._queue_features(gen, out.features[: accepted + 1])
+        if features is not None:
+            gen.pending_features.append(features)
         stats = RoundStats(gen.num_rounds + 1, len(draft), accepted, accepted + 1, 0, draft_ms, verify_ms, drafter,
                            decision.arm if gen.block_size > 1 else "plain",
                            decision.reason if gen.block_size > 1 else "block size 1")
@@ -427,19 +446,14 @@ class SpeculativeEngine:
         """
         gen.num_cached += n
         if gen.block_size > 1:
-            self._queue_features(gen, out.features)
+            # a copy of its own rows, so the step's whole feature tensor is not kept alive meanwhile
+            gen.pending_features.append(out.features.clone())
         if gen.prefilling:
             return None
         if gen.output_ids:
             return RoundOutput([], "", RoundStats(0, 0, 0, 0, 0, 0.0, verify_ms), gen.stats, None)
         first = sample_tokens(out.logits[-1:], gen.params, gen.seed, len(gen.prompt_ids))
         return gen.emit(self.target.max_positions, [int(first.item())], RoundStats(0, 0, 0, 1, 0, 0.0, verify_ms))
-
-    @staticmethod
-    def _queue_features(gen: Generation, features: torch.Tensor) -> None:
-        # Joined once, when the session drafts (not re-copied every step); a copy of its own rows, so
-        # the step's whole feature tensor is not kept alive while the session does not draft.
-        gen.pending_features.append(features.clone())
 
     def _retire_done(self) -> None:
         """Free every finished, failed or cancelled session (running or still queued)."""

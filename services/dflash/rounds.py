@@ -5,6 +5,7 @@ No models and no I/O here: tensors and lists in, tensors and lists out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,39 +18,46 @@ def make_block(last_token: int, block_size: int, mask_token_id: int) -> torch.Te
     return block
 
 
-def confident_length(top_probs: torch.Tensor, threshold: float) -> int:
+def confident_length(top_probs: Sequence[float], threshold: float) -> int:
     """How many leading proposals to keep: while the product of the drafter's top-token probabilities
     stays >= threshold, at least one (a draft of none would make the round a plain target step).
 
-    top_probs: [n] the drafter's probability of each proposed token. The product estimates the chance
-    that the target accepts every proposal up to there; cutting where it is small saves verifying
-    tokens that would mostly be rejected. threshold 0 keeps all n.
+    top_probs: [n] the drafter's probability of each proposed token (host floats). The product
+    estimates the chance that the target accepts every proposal up to there; cutting where it is small
+    saves verifying tokens that would mostly be rejected. threshold 0 keeps all n.
     """
-    n = top_probs.shape[0]
+    n = len(top_probs)
     if threshold <= 0.0 or n == 0:
         return n
-    running = torch.cumprod(top_probs.double(), dim=0)
-    return max(1, int((running >= threshold).sum().item()))
+    running, kept = 1.0, 0
+    for p in top_probs:
+        running *= float(p)  # in double precision, as a cumulative product
+        if running < threshold:
+            break
+        kept += 1
+    return max(1, kept)
 
 
-def accept_length(draft: torch.Tensor, posterior: torch.Tensor) -> int:
+def accept_length(draft: Sequence[int], posterior: Sequence[int]) -> int:
     """Number of draft tokens the target agrees with.
 
     draft: [B-1] proposed tokens for positions start+1 .. start+B-1.
     posterior: [B] the target's own choice at positions start+1 .. start+B, given the block.
     Draft token i is accepted while every draft token up to i equals the target's choice there;
     since the draft is deterministic, this keeps the target's distribution exactly.
+    (Host lists in the engine, one per session from one device->host copy per step.)
     """
-    n = draft.shape[0]
-    if n == 0:
-        return 0
-    matches = (draft == posterior[:n]).to(torch.long)
-    return int(matches.cumprod(dim=0).sum().item())
+    n = 0
+    for proposed, chosen in zip(draft, posterior):
+        if int(proposed) != int(chosen):
+            break
+        n += 1
+    return n
 
 
-def committed_tokens(draft: torch.Tensor, posterior: torch.Tensor, accepted: int) -> list[int]:
+def committed_tokens(draft: Sequence[int], posterior: Sequence[int], accepted: int) -> list[int]:
     """The accepted draft tokens plus the target's token at the first mismatch (the bonus token)."""
-    return draft[:accepted].tolist() + [int(posterior[accepted].item())]
+    return [int(t) for t in draft[:accepted]] + [int(posterior[accepted])]
 
 
 @dataclass(frozen=True)

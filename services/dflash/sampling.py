@@ -70,6 +70,23 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, seed: int, first
     return _gumbel_argmax(filter_logits(logits, params), seed, first_position)
 
 
+def sample_rows(logits: torch.Tensor, sessions: list[tuple[SamplingParams, int, int, int, int]]) -> list[list[int]]:
+    """`sample_tokens` for many sessions' rows of one packed forward's logits [K, V], with one
+    device->host copy: sessions[i] = (params, seed, first_position, first_row, num_rows). Greedy rows
+    take one argmax for all; a sampled session draws its own position-seeded noise (bit-identical to
+    `sample_tokens` on its rows alone)."""
+    if not sessions:
+        return []
+    picks = logits.argmax(dim=-1)
+    sampled = [s for s in sessions if not s[0].greedy]
+    if sampled:
+        picks = picks.clone()
+        for params, seed, first, row, n in sampled:
+            picks[row : row + n] = sample_tokens(logits[row : row + n], params, seed, first)
+    host = picks.tolist()
+    return [host[row : row + n] for _, _, _, row, n in sessions]
+
+
 def propose_tokens(
     logits: torch.Tensor, rule: DraftSampling, first_position: int, with_probs: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

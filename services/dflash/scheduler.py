@@ -16,7 +16,7 @@ from .errors import DFlashError, InvalidRequestError
 
 if TYPE_CHECKING:  # the service's config reads SchedulerConfig and must not import torch
     from .generation import Generation
-    from .kv_cache import KVCache
+    from .block_manager import BlockManager
 
 
 DEFAULT_STREAM_INTERVAL_MS = 50.0  # measured: docs/service.md#streaming
@@ -76,7 +76,7 @@ class StepPlan:
 class Scheduler:
     """Owns the waiting queue and the running set of one engine; not thread-safe (the engine locks)."""
 
-    def __init__(self, config: SchedulerConfig, cache: KVCache, block_size: int = 1) -> None:
+    def __init__(self, config: SchedulerConfig, cache: BlockManager, block_size: int = 1) -> None:
         self.config = config
         self.cache = cache
         self.block_size = block_size

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from . import packed_attention
-from .kv_cache import CacheShape, KVCache
+from .attention_backend import backend_for, page_tokens_for
+from .block_manager import BlockManager, CacheShape
 from .packed_attention import NO_MASK, PackedBatch
 
 
@@ -19,6 +20,30 @@ class TargetOutput:
 
     logits: torch.Tensor
     features: torch.Tensor
+
+
+@dataclass
+class PackedOutput:
+    """A packed forward's outputs for all items at once: logits [K, V] float32 of the kept rows, item i's
+    at rows logit_starts[i] .. + logit_counts[i]; features [T, n*H] of every token, item i's from row
+    offsets[i] (its token count long). Indexing gives one item's TargetOutput (views, no copies)."""
+
+    logits: torch.Tensor
+    features: torch.Tensor
+    logit_starts: list[int]
+    logit_counts: list[int]
+    offsets: list[int]
+    num_tokens: list[int]
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i: int) -> TargetOutput:
+        a, o = self.logit_starts[i], self.offsets[i]
+        return TargetOutput(self.logits[a : a + self.logit_counts[i]], self.features[o : o + self.num_tokens[i]])
+
+    def __iter__(self) -> Iterator[TargetOutput]:
+        return (self[i] for i in range(len(self)))
 
 
 @dataclass(frozen=True)
@@ -40,8 +65,9 @@ class TargetModel:
     is plain SDPA unless a packed batch is passed, so the model still works elsewhere (`generate()`).
     """
 
-    def __init__(self, model: PreTrainedModel, layer_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, model: PreTrainedModel, layer_ids: tuple[int, ...] = (), attention: str = "auto") -> None:
         self.model = model.eval()
+        self.attention = backend_for(model.device, attention)
         self.model.set_attn_implementation(packed_attention.IMPLEMENTATION)
         self.layer_ids = tuple(layer_ids)
         text = model.config.get_text_config()
@@ -67,30 +93,37 @@ class TargetModel:
     def lm_head(self) -> torch.nn.Module:
         return self.model.get_output_embeddings()
 
-    def new_cache(self, budget_tokens: int) -> KVCache:
-        """A cache for many sessions holding at most `budget_tokens` positions in all."""
-        return KVCache(self.cache_shape, budget_tokens)
+    @property
+    def page_tokens(self) -> int:
+        """Positions per KV page (what the attention backend reads best); reservations take whole pages."""
+        return page_tokens_for(self.attention)
+
+    def new_cache(self, budget_tokens: int, max_sessions: int = 1) -> BlockManager:
+        """A paged KV pool for up to `max_sessions` sessions holding at most `budget_tokens` positions in all."""
+        return BlockManager(self.cache_shape, budget_tokens, self.page_tokens, max_sessions)
 
     @torch.inference_mode()
-    def forward(self, cache: KVCache, items: list[ForwardItem]) -> list[TargetOutput]:
+    def forward(self, cache: BlockManager, items: list[ForwardItem]) -> PackedOutput:
         """One forward over every item's tokens, extending each session's cache; outputs in item order.
 
         Logits for every token of an item (or its last with last_only), features for every token.
         """
-        batch = PackedBatch(cache, tuple(i.session_id for i in items), tuple(i.start for i in items),
+        batch = PackedBatch(cache, self.attention, tuple(i.session_id for i in items), tuple(i.start for i in items),
                             tuple(len(i.token_ids) for i in items))
-        ids = torch.tensor([t for i in items for t in i.token_ids], dtype=torch.long, device=self.device)
-        keep = []
+        ids = torch.tensor([t for i in items for t in i.token_ids], dtype=torch.long).to(self.device, non_blocking=True)
+        keep, starts, counts = [], [], []
         for item, offset in zip(items, batch.offsets):
             n = len(item.token_ids)
+            starts.append(len(keep))
             keep.extend([offset + n - 1] if item.last_only else range(offset, offset + n))
+            counts.append(len(keep) - starts[-1])
         out = self.model(
             input_ids=ids.unsqueeze(0),
             position_ids=batch.positions(self.device),
             attention_mask=NO_MASK,
             use_cache=False,
             output_hidden_states=bool(self.layer_ids),
-            logits_to_keep=torch.tensor(keep, device=self.device),
+            logits_to_keep=torch.tensor(keep).to(self.device, non_blocking=True),
             dflash_batch=batch,
         )
         logits = out.logits[0].float()
@@ -98,13 +131,7 @@ class TargetModel:
             features = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
         else:
             features = ids.new_zeros((ids.shape[0], 0), dtype=torch.float32)
-        results, row = [], 0
-        for item, offset in zip(items, batch.offsets):
-            n = len(item.token_ids)
-            kept = 1 if item.last_only else n
-            results.append(TargetOutput(logits[row : row + kept], features[offset : offset + n]))
-            row += kept
-        return results
+        return PackedOutput(logits, features, starts, counts, batch.offsets, list(batch.num_tokens))
 
     def forward_alone(self, token_ids: Iterable[int]) -> TargetOutput:
         """One sequence from position 0 on a throwaway cache: logits and features of every token."""

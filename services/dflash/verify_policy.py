@@ -107,7 +107,7 @@ def measure_batch_cost(target: TargetModel, max_sessions: int) -> CostCurve:
     """A plain decoding step's time against the sessions it decodes (one token each, 128 positions of
     context each), on its device: what the measured policy compares every arm's step period with."""
     context = min(128, target.max_positions // 2)
-    scratch = target.new_cache(max_sessions * (context + 1))
+    scratch = target.new_cache(max_sessions * (context + 1), max_sessions)
     for i in range(max_sessions):
         scratch.reserve(f"b{i}", context + 1)
     target.forward(scratch, [ForwardItem(f"b{i}", (0,) * context, 0, last_only=True) for i in range(max_sessions)])

@@ -129,7 +129,7 @@ def profile_round(engine: SpeculativeEngine, prompt_ids: list[int], block_size: 
         timers.wrap(engine.drafter, "draft_batch", "draft", phase="draft")
         timers.wrap(engine.target, "forward", "verify", phase="verify")
         timers.wrap(engine.cache, "crop", "trim")
-        timers.wrap(engine, "_queue_features", "queue")
+        timers.wrap(engine, "_kept_features", "queue")
         timers.hook(engine.target.model, "verify_forward", only_in="verify")
         model = getattr(engine.drafter, "model", None)
         if model is not None:  # a drafter in this process (a remote one's time is all draft_io)

@@ -6,23 +6,27 @@ import torch
 from torch import nn
 
 from ..errors import DFlashError
-from ..kv_cache import CacheShape, KVCache
-from ..rounds import confident_length, make_block
+from ..attention_backend import AttentionBackend, backend_for, page_tokens_for
+from ..block_manager import BlockManager, CacheShape
+from ..rounds import confident_length
 from ..sampling import propose_tokens
 from .model import DFlashDraftModel, PackedDraft
 from .protocol import GREEDY, Draft, DraftRequest, DraftSampling
 
-# The drafter's context cache is small (context keys/values only); sessions are bounded by count, not bytes.
-_UNBOUNDED = 1 << 40
+# The drafter's context cache is small (context keys/values only); sessions are bounded by count, not
+# bytes, so its pool starts at this many positions and doubles when sessions need more.
+_INITIAL_TOKENS = 1 << 14
 
 
 class LocalDrafter:
     """Runs a DFlashDraftModel with the target's (frozen, shared) embedding and LM head.
 
-    Implements the `Drafter` protocol; keeps every session's context keys/values in one KVCache.
+    Implements the `Drafter` protocol; keeps every session's context keys/values in one paged pool
+    (`BlockManager`), attended through the device's attention backend (attention_backend.py).
     """
 
-    def __init__(self, model: DFlashDraftModel, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
+    def __init__(self, model: DFlashDraftModel, embed_tokens: nn.Module, lm_head: nn.Module,
+                 attention: str | AttentionBackend = "auto") -> None:
         self.model = model
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
@@ -32,8 +36,10 @@ class LocalDrafter:
         self.target_layer_ids = cfg.target_layer_ids
         param = next(model.parameters())
         self._max_rows = (cfg.raw.get("max_position_embeddings") or 1 << 20) + cfg.block_size
-        self.cache = KVCache(CacheShape(len(model.layers), cfg.num_key_value_heads, cfg.head_dim, param.dtype,
-                                        param.device), _UNBOUNDED)
+        self.attention = backend_for(param.device, attention) if isinstance(attention, str) else attention
+        self.cache = BlockManager(CacheShape(len(model.layers), cfg.num_key_value_heads, cfg.head_dim, param.dtype,
+                                             param.device), _INITIAL_TOKENS, page_tokens_for(self.attention),
+                                  growable=True)
         self._first_positions: dict[str, int] = {}  # sessions whose context does not start at 0
 
     def open(self, session_id: str, first_position: int) -> None:
@@ -67,30 +73,40 @@ class LocalDrafter:
         device = self.embed_tokens.weight.device
         dtype = next(self.model.parameters()).dtype
         batch = PackedDraft(
-            self.cache, tuple(r.session_id for r in requests),
+            self.cache, self.attention, tuple(r.session_id for r in requests),
             tuple(self._first_positions.get(r.session_id, 0) for r in requests),
             tuple(self.cache.length(r.session_id) for r in requests),
             tuple(r.context.shape[0] for r in requests), tuple(r.block_size for r in requests),
         )
-        blocks = torch.cat([make_block(r.last_token, r.block_size, self.mask_token_id) for r in requests]).to(device)
-        context = torch.cat([r.context.to(device=device, dtype=dtype) for r in requests])
+        blocks = [t for r in requests for t in (r.last_token, *[self.mask_token_id] * (r.block_size - 1))]
+        blocks = torch.tensor(blocks, dtype=torch.long).to(device, non_blocking=True)
+        context = torch.cat([r.context for r in requests]).to(device=device, dtype=dtype)
         hidden = self.model.forward_packed(self.embed_tokens(blocks).to(dtype), context, batch)
         # One LM head over every session's proposal rows (the block's positions after its anchor), and
         # the greedy sessions' picks for all of them at once; sampled sessions pick on their own rows.
-        rows = torch.cat([torch.arange(o + 1, o + r.block_size) for r, o in zip(requests, batch.blk_offsets)])
-        logits = self.lm_head(hidden[rows.to(device)].to(self.lm_head.weight.dtype)).float()
-        if any(r.sampling.greedy for r in requests):
-            greedy_tokens, greedy_probs = propose_tokens(logits, GREEDY, 0, with_probs=True)
+        rows = [o + j for r, o in zip(requests, batch.blk_offsets) for j in range(1, r.block_size)]
+        rows = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+        logits = self.lm_head(hidden.index_select(0, rows).to(self.lm_head.weight.dtype)).float()
+        tokens, probs = propose_tokens(logits, GREEDY, 0, with_probs=True)
+        sampled = [(i, r) for i, r in enumerate(requests) if not r.sampling.greedy]
+        if sampled:
+            tokens, probs, row = tokens.clone(), probs.clone(), 0
+            starts = []
+            for r in requests:
+                starts.append(row)
+                row += r.block_size - 1
+            for i, r in sampled:
+                a, n = starts[i], r.block_size - 1
+                tokens[a : a + n], probs[a : a + n] = propose_tokens(
+                    logits[a : a + n], r.sampling, r.context_start + r.context.shape[0] + 1, with_probs=True)
+        tokens, probs = tokens.to("cpu", torch.long), probs.to("cpu", torch.float32)
+        host_probs = probs.tolist()
         drafts, row = [], 0
         for r in requests:
-            n, start = r.block_size - 1, r.context_start + r.context.shape[0]
-            if r.sampling.greedy:
-                tokens, probs = greedy_tokens[row : row + n], greedy_probs[row : row + n]
-            else:
-                tokens, probs = propose_tokens(logits[row : row + n], r.sampling, start + 1, with_probs=True)
+            n = r.block_size - 1
+            keep = confident_length(host_probs[row : row + n], r.sampling.min_confidence)
+            drafts.append(Draft(tokens[row : row + keep], probs[row : row + keep]))
             row += n
-            keep = confident_length(probs, r.sampling.min_confidence)
-            drafts.append(Draft(tokens[:keep].to("cpu", torch.long), probs[:keep].to("cpu", torch.float32)))
         return drafts
 
     def draft(self, session_id: str, context: torch.Tensor, context_start: int, last_token: int, block_size: int,

@@ -23,7 +23,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
-from ..kv_cache import KVCache
+from ..attention_backend import AttentionBackend, AttentionPlan, SessionSpan, write_kv
+from ..block_manager import BlockManager
 from .config import DFlashConfig
 
 _NOT_QWEN3_KEYS = ("architectures", "auto_map", "dflash_config", "block_size", "num_target_layers", "model_type")
@@ -57,39 +58,53 @@ class DraftCache:
                 self.keys[i], self.values[i] = k[..., :length, :], v[..., :length, :]
 
 
-@dataclass(frozen=True)
+@dataclass
 class PackedDraft:
     """Many sessions' drafter inputs in one forward, in session order.
 
     Session i brings num_context[i] new context rows (absolute positions from first_positions[i] +
     cache_starts[i]) onto a cache holding cache_starts[i] rows of it, and a block of block_sizes[i]
-    tokens right after them. `cache` holds every session's context keys/values, indexed from the
-    session's first position (0 unless its context was rebuilt from a window).
+    tokens right after them. `cache` (a paged pool) holds every session's context keys/values, indexed
+    from the session's first position (0 unless its context was rebuilt from a window). Building it
+    extends the block tables by the new context and the block (host work, once per forward); the block's
+    rows are for this forward only and are cropped afterwards.
     """
 
-    cache: KVCache
+    cache: BlockManager
+    backend: AttentionBackend
     session_ids: tuple[str, ...]
     first_positions: tuple[int, ...]
     cache_starts: tuple[int, ...]
     num_context: tuple[int, ...]
     block_sizes: tuple[int, ...]
 
-    @cached_property  # read per layer and per session: computed once
-    def ctx_offsets(self) -> list[int]:
-        return _offsets(self.num_context)
+    def __post_init__(self) -> None:
+        spans, ctx_slots, blk_slots, ctx_pos, blk_pos = [], [], [], [], []
+        for sid, first, at, nc, nb in zip(self.session_ids, self.first_positions, self.cache_starts,
+                                          self.num_context, self.block_sizes):
+            pages = self.cache.extend(sid, at, nc + nb)
+            ctx_slots += self.cache.slots(pages, at, nc)
+            blk_slots += self.cache.slots(pages, at + nc, nb)
+            ctx_pos += range(first + at, first + at + nc)
+            blk_pos += range(first + at + nc, first + at + nc + nb)
+            spans.append(SessionSpan(tuple(pages), at + nc, nb, at + nc + nb))
+        device = self.cache.shape.device
+        self.plan = AttentionPlan(spans, self.cache.page_tokens, causal=False, device=device)
+        self.ctx_slots, self.blk_slots = _host(ctx_slots, device), _host(blk_slots, device)
+        self.context_positions, self.block_positions = _host(ctx_pos, device), _host(blk_pos, device)
 
-    @cached_property  # read per layer and per session: computed once
+    @cached_property
     def blk_offsets(self) -> list[int]:
         return _offsets(self.block_sizes)
 
-    def context_positions(self) -> torch.Tensor:
-        return torch.cat([torch.arange(f + c, f + c + n) for f, c, n in
-                          zip(self.first_positions, self.cache_starts, self.num_context)]
-                         or [torch.zeros(0, dtype=torch.long)])
+    def crop_blocks(self) -> None:
+        """Drop the blocks' rows: only context stays cached."""
+        for sid, at, nc in zip(self.session_ids, self.cache_starts, self.num_context):
+            self.cache.crop(sid, at + nc)
 
-    def block_positions(self) -> torch.Tensor:
-        return torch.cat([torch.arange(f + c + n, f + c + n + b) for f, c, n, b in
-                          zip(self.first_positions, self.cache_starts, self.num_context, self.block_sizes)])
+
+def _host(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 def _offsets(counts: Iterable[int]) -> list[int]:
@@ -166,9 +181,9 @@ class DFlashAttention(nn.Module):
     ) -> torch.Tensor:
         """hidden [1, Tq, H] (all sessions' blocks), context [1, Tc, H] (their new context rows).
 
-        Each session's new context keys/values are appended to its cache; its block keys/values are
-        written after them for this forward only (the cache length is set back afterwards), so attention
-        reads one view of the session's buffer and nothing is concatenated.
+        Every session's new context keys/values and its block's are written into its pages; one
+        attention call then lets each block see its session's whole context and itself (the block rows
+        are dropped after the forward by `PackedDraft.crop_blocks`).
         """
         q = self._heads(hidden, self.q_proj, self.q_norm)
         k_blk = self._heads(hidden, self.k_proj, self.k_norm)
@@ -177,24 +192,11 @@ class DFlashAttention(nn.Module):
         v_ctx = self._heads(context, self.v_proj, None)
         q, k_blk = apply_rotary_pos_emb(q, k_blk, *rope_blk)
         k_ctx = apply_rotary_pos_emb(k_ctx, k_ctx, *rope_ctx)[1]
-        gqa, outputs = self.num_kv_heads != self.num_heads, []
-        for i, sid in enumerate(batch.session_ids):
-            c0, nc = batch.ctx_offsets[i], batch.num_context[i]
-            b0, nb, at = batch.blk_offsets[i], batch.block_sizes[i], batch.cache_starts[i]
-            cache = batch.cache
-            cache.write(self.layer_idx, sid, at, k_ctx[0, :, c0 : c0 + nc], v_ctx[0, :, c0 : c0 + nc])
-            keys, values = cache.write(self.layer_idx, sid, at + nc,
-                                       k_blk[0, :, b0 : b0 + nb], v_blk[0, :, b0 : b0 + nb])
-            mask = None
-            if self.sliding_window is not None:
-                first = batch.first_positions[i]
-                q_pos = torch.arange(first + at + nc, first + at + nc + nb, device=q.device).unsqueeze(1)
-                k_pos = torch.arange(first, first + at + nc + nb, device=q.device).unsqueeze(0)
-                mask = (q_pos - k_pos) < self.sliding_window
-            out = F.scaled_dot_product_attention(q[:, :, b0 : b0 + nb], keys.unsqueeze(0), values.unsqueeze(0),
-                                                 attn_mask=mask, is_causal=False, enable_gqa=gqa)
-            outputs.append(out[0].transpose(0, 1).reshape(nb, -1))
-        return self.o_proj(torch.cat(outputs).unsqueeze(0))
+        keys, values = batch.cache.keys[self.layer_idx], batch.cache.values[self.layer_idx]
+        write_kv(keys, values, k_ctx[0].transpose(0, 1), v_ctx[0].transpose(0, 1), batch.ctx_slots)
+        write_kv(keys, values, k_blk[0].transpose(0, 1), v_blk[0].transpose(0, 1), batch.blk_slots)
+        out = batch.backend.attend(q[0], keys, values, batch.plan, None, self.sliding_window)
+        return self.o_proj(out.reshape(1, out.shape[0], -1))
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -280,13 +282,11 @@ class DFlashDraftModel(nn.Module):
         """
         context = self.hidden_norm(self.fc(target_hidden)).unsqueeze(0)
         hidden = noise_embedding.unsqueeze(0)
-        device = hidden.device
-        rope_ctx = self.rotary_emb(hidden, batch.context_positions().to(device).unsqueeze(0))
-        rope_blk = self.rotary_emb(hidden, batch.block_positions().to(device).unsqueeze(0))
+        rope_ctx = self.rotary_emb(hidden, batch.context_positions.unsqueeze(0))
+        rope_blk = self.rotary_emb(hidden, batch.block_positions.unsqueeze(0))
         for layer in self.layers:
             hidden = layer.forward_packed(hidden, context, rope_blk, rope_ctx, batch)
-        for sid, at, nc in zip(batch.session_ids, batch.cache_starts, batch.num_context):
-            batch.cache.crop(sid, at + nc)  # block keys were for this forward only
+        batch.crop_blocks()
         return self.norm(hidden)[0]
 
     @property
