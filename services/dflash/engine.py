@@ -31,7 +31,7 @@ from .intake import RequestLimits, new_generation
 from .journal import CommittedRound, RoundJournal, SessionFencedError
 from .params import SamplingParams
 from .rounds import accept_length, committed_tokens
-from .sampling import sample_rows, sample_tokens
+from .sampling import sample_rows
 from .scheduler import MAX_STREAM_INTERVAL_MS, Scheduler, SchedulerConfig, StepPlan
 from .stats import GenerationStats, RoundStats
 from .target import ForwardItem, PackedOutput, TargetModel, TargetOutput
@@ -323,8 +323,16 @@ class SpeculativeEngine:
                               last_only=True) for g, n in plan.prefills]
         outs = self.target.forward(self.cache, items)
         num_decodes = len(plan.decodes)
-        posteriors = sample_rows(outs.logits, [(g.params, g.seed, g.position + 1, outs.logit_starts[i], len(v) + 1)
-                                               for i, (g, v) in enumerate(zip(plan.decodes, verified))])
+        # Every pick of the step in one device->host copy: the decodes' posteriors, and the first token
+        # of each prompt whose last chunk this is (a resumed request samples nothing).
+        rows = [(g.params, g.seed, g.position + 1, outs.logit_starts[i], len(v) + 1)
+                for i, (g, v) in enumerate(zip(plan.decodes, verified))]
+        firsts = [i for i, (g, n) in enumerate(plan.prefills, start=num_decodes)
+                  if g.num_cached + n == len(g.prefill_ids) and not g.output_ids]
+        rows += [(plan.prefills[i - num_decodes][0].params, plan.prefills[i - num_decodes][0].seed,
+                  len(plan.prefills[i - num_decodes][0].prompt_ids), outs.logit_starts[i], 1) for i in firsts]
+        picks = sample_rows(outs.logits, rows)
+        posteriors, first_tokens = picks[:num_decodes], dict(zip(firsts, (p[0] for p in picks[num_decodes:])))
         accepted = [accept_length(v, post) for v, post in zip(verified, posteriors)]
         features = self._kept_features(plan.decodes, outs, accepted)
         verify_ms = self._ms_since(t1)
@@ -338,7 +346,7 @@ class SpeculativeEngine:
             emitted = sum(len(r.token_ids) for _, r in report.rounds)
             self.policy.step_ran(decision, t0, len(plan.decodes), emitted, prefill_tokens)
         for i, (gen, n) in enumerate(plan.prefills, start=num_decodes):
-            round_out = self._prefill_chunk(gen, n, outs[i], verify_ms)
+            round_out = self._prefill_chunk(gen, n, outs[i], first_tokens.get(i), verify_ms)
             if round_out is not None:
                 report.rounds.append((gen, round_out))
         self._journal(report)
@@ -438,8 +446,10 @@ class SpeculativeEngine:
                            decision.reason if gen.block_size > 1 else "block size 1")
         return gen.emit(self.target.max_positions, new_tokens, stats)
 
-    def _prefill_chunk(self, gen: Generation, n: int, out: TargetOutput, verify_ms: float) -> RoundOutput | None:
-        """A chunk of the prompt is in the cache; after the last one, sample the first token.
+    def _prefill_chunk(self, gen: Generation, n: int, out: TargetOutput, first: int | None,
+                       verify_ms: float) -> RoundOutput | None:
+        """A chunk of the prompt is in the cache; after the last one, emit the first token (`first`,
+        sampled with the step's other picks).
 
         A resumed request (output_ids already committed) re-prefills prompt + committed tokens but
         the last, samples nothing, and yields an empty round: its caches are rebuilt, its text not.
@@ -452,8 +462,7 @@ class SpeculativeEngine:
             return None
         if gen.output_ids:
             return RoundOutput([], "", RoundStats(0, 0, 0, 0, 0, 0.0, verify_ms), gen.stats, None)
-        first = sample_tokens(out.logits[-1:], gen.params, gen.seed, len(gen.prompt_ids))
-        return gen.emit(self.target.max_positions, [int(first.item())], RoundStats(0, 0, 0, 1, 0, 0.0, verify_ms))
+        return gen.emit(self.target.max_positions, [first], RoundStats(0, 0, 0, 1, 0, 0.0, verify_ms))
 
     def _retire_done(self) -> None:
         """Free every finished, failed or cancelled session (running or still queued)."""

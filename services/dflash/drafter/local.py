@@ -99,8 +99,10 @@ class LocalDrafter:
                 a, n = starts[i], r.block_size - 1
                 tokens[a : a + n], probs[a : a + n] = propose_tokens(
                     logits[a : a + n], r.sampling, r.context_start + r.context.shape[0] + 1, with_probs=True)
-        tokens, probs = tokens.to("cpu", torch.long), probs.to("cpu", torch.float32)
-        host_probs = probs.tolist()
+        # One device->host copy for the tokens and their probabilities (token ids are exact in float64).
+        host = torch.stack([tokens.double(), probs.double()]).cpu()
+        tokens, probs = host[0].long(), host[1].float()
+        host_probs = host[1].tolist()
         drafts, row = [], 0
         for r in requests:
             n = r.block_size - 1
