@@ -24,6 +24,7 @@ from ray.serve.handle import DeploymentHandle
 
 from ..api.v1 import generate_pb2
 from .config import ConfigError, ServiceConfig
+from .consumers import Consumer, ConsumerWatch
 from .ingress import Ingress, Rejected, check_decoded
 from .messages import MalformedMessage, StreamError, VerifyRequest
 from .metrics import ServiceMetrics
@@ -64,6 +65,7 @@ class IngressDeployment:
         self.ingress = Ingress(self.config, _setup(self.config, "dflash-ingress"))
         self.verifier = verifier
         self.store = _store(self.config)
+        self.consumer = Consumer.here()
 
     async def Generate(self, request: generate_pb2.GenerateRequest | MalformedMessage,
                        grpc_context: RayServegRPCContext) -> AsyncIterator[generate_pb2.GenerateChunk]:
@@ -87,14 +89,21 @@ class IngressDeployment:
 
     async def _open_stream(self, verify: VerifyRequest,
                            carrier: dict[str, str]) -> AsyncIterator[generate_pb2.GenerateChunk | StreamError]:
+        # The verifier watches this replica (consumers.py): should it die, the stream stops there too.
+        response = self.verifier.options(stream=True).stream.remote(verify, carrier, self.consumer)
+        ended = False
         try:
-            async for item in self.verifier.options(stream=True).stream.remote(verify, carrier):
+            async for item in response:
                 yield item
+            ended = True
         except BackPressureError:
             yield StreamError("RESOURCE_EXHAUSTED", "server: too many requests in flight; retry with backoff")
         except RayActorError:
             yield StreamError("UNAVAILABLE", "verifier: the replica serving this request was lost; reconnect with "
                               "session_id and tokens_received to get the rest")
+        finally:
+            if not ended:  # the client went away, or an error: the verifier's stream stops now, not at its end
+                response.cancel()
 
     async def Check(self, request: health_pb2.HealthCheckRequest | MalformedMessage,
                     grpc_context: RayServegRPCContext) -> health_pb2.HealthCheckResponse:
@@ -133,11 +142,14 @@ class VerifierDeployment:
         engine.start_loop()  # one thread steps all streams; they are coroutines on this replica's loop
         self.verifier = Verifier(engine, store, cfg.model_name, metrics)
         self.drafters = drafters  # holds the drafter deployment in the application graph
+        self.consumers = ConsumerWatch()
 
-    async def stream(self, verify: VerifyRequest,
-                     carrier: dict[str, str]) -> AsyncIterator[generate_pb2.GenerateChunk | StreamError]:
-        async for item in self.verifier.stream_async(verify, carrier):
-            yield item
+    async def stream(self, verify: VerifyRequest, carrier: dict[str, str],
+                     consumer: Consumer | None = None) -> AsyncIterator[generate_pb2.GenerateChunk | StreamError]:
+        """One Generate's chunks; cancelled when `consumer` (the ingress replica reading it) dies."""
+        with self.consumers.track(consumer):
+            async for item in self.verifier.stream_async(verify, carrier):
+                yield item
 
 
 @serve.deployment(name="drafter")

@@ -6,7 +6,9 @@ deserializers hand bytes that are not the method's request message to the handle
 `MalformedMessage`, which the handler answers with INVALID_ARGUMENT. Registered as generated, gRPC
 decodes a request before any code of ours runs and a DecodeError becomes UNKNOWN "Unexpected
 DecodeError" (in Ray's proxy, before the request reaches a replica). Nothing else changes: Ray's
-proxy replaces each handler's behaviour by its routing to the ingress and keeps its deserializer.
+proxy replaces each handler's behaviour by its routing to the ingress and keeps its deserializer;
+the `add_*_to_server` functions first install serve_proxy.py's changes to that routing (a lost replica
+is UNAVAILABLE, a cancel always reaches the ingress, health answers in time).
 """
 
 from __future__ import annotations
@@ -15,18 +17,21 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from . import serve_proxy
 from .messages import MalformedMessage, clip
 
 
 def add_GenerationServicer_to_server(servicer: object, server: grpc.Server | grpc.aio.Server) -> None:  # noqa: N802 (gRPC's naming)
     from ..api.v1 import generate_pb2_grpc
 
+    serve_proxy.install(server)
     add_lenient(generate_pb2_grpc.add_GenerationServicer_to_server, servicer, server)
 
 
 def add_HealthServicer_to_server(servicer: object, server: grpc.Server | grpc.aio.Server) -> None:  # noqa: N802
     from grpc_health.v1 import health_pb2_grpc
 
+    serve_proxy.install(server)
     add_lenient(health_pb2_grpc.add_HealthServicer_to_server, servicer, server)
 
 
@@ -35,6 +40,7 @@ def add_ServerReflectionServicer_to_server(servicer: object, server: grpc.Server
     not the proxy's own (`gRPCOptions.enable_reflection`), which answers anyone."""
     from grpc_reflection.v1alpha import reflection_pb2_grpc
 
+    serve_proxy.install(server)
     add_lenient(reflection_pb2_grpc.add_ServerReflectionServicer_to_server, servicer, server)
 
 

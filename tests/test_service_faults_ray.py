@@ -1,0 +1,163 @@
+"""Faults through real Ray Serve (its gRPC proxy, real replicas), a real redis-server the launcher starts
+and real gRPC clients over loopback (issue 34): a killed ingress replica, health while no verifier
+serves, client cancels, a hung drafter replica. What each one measured is printed (pytest -s)."""
+
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+
+import grpc
+import pytest
+from dflash.loading import build_engine
+from dflash.params import SamplingParams
+from dflash.service.client import GenerationClient
+from dflash.service.config import ServiceConfig
+from dflash.service.redis_process import free_port
+from dflash.service.session_store import CANCELLED, RedisSessionStore
+from service_fixtures import model_dirs, wait_until  # noqa: F401
+
+ray = pytest.importorskip("ray")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+PROMPTS = ["def f(x):\n    return", "import os\nprint(", "a = [1, 2, 3]\nb =", "class a:\n    def"]
+ACTOR = {"num_cpus": 0.1}
+TOKEN = "s3cret-token"
+PORT = free_port()
+
+
+def config_tree(model_dirs, redis_url, mode="colocated", **extra):  # noqa: F811
+    target, drafter = model_dirs
+    tree = {
+        "mode": mode, "grpc_port": PORT, "torch_threads": 1, "auth_token": TOKEN,
+        "trace_dir": tempfile.mkdtemp(prefix="dflash-spans-"),
+        "model": {"target": str(target), "drafter": str(drafter), "device": "cpu", "dtype": "float32", "name": "tiny"},
+        "redis": {"url": redis_url},
+        "ingress": {"ray_actor_options": ACTOR},
+        "verifier": {"ray_actor_options": ACTOR, "max_ongoing_requests": 32, "max_queued_requests": -1},
+        "drafter": {"ray_actor_options": ACTOR, "num_replicas": 2},
+        "drafter_net": {"retry_after_s": 0.5, "timeout_s": 10.0},
+        "scheduler": {"verify_policy": "full"},
+    }
+    tree.update(extra)
+    return ServiceConfig.from_dict(tree)
+
+
+@pytest.fixture(scope="module")
+def service(model_dirs):  # noqa: F811
+    from dflash.service.launcher import start_local
+
+    svc = start_local(config_tree(model_dirs, ""), num_cpus=2)
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs):  # noqa: F811
+    return build_engine(model_dirs[0], model_dirs[1], device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def store(service):
+    return RedisSessionStore(service.config.redis.url)
+
+
+def want(reference, prompt, n):
+    return reference.run(reference.encode(prompt), SamplingParams(max_new_tokens=n, ignore_eos=True)).token_ids
+
+
+def resume_until_served(client, session, received, timeout_s=180):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return [t for c in client.resume(session, received) for t in c.token_ids]
+        except grpc.RpcError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def replica_actor(deployment: str):
+    """The live replica actor of `deployment` (the application's one replica)."""
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if f":{deployment}:" in actor["name"] or actor["name"].endswith(f"#{deployment}") or \
+                f"#{deployment}#" in actor["name"]:
+            return ray.get_actor(actor["name"], namespace=actor["namespace"])
+    raise AssertionError(f"no {deployment} replica")
+
+
+def replica_pid(deployment: str) -> int:
+    return ray.get(replica_actor(deployment).__ray_call__.remote(lambda _: os.getpid()), timeout=60)
+
+
+def watch_status(store, session, status, timeout_s=60.0) -> list:
+    """From now on, poll the session's record in a thread: the list gets (when, record) once its status
+    is `status`."""
+    seen = []
+
+    def poll():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            record = store.get(session)
+            if record is not None and record.status == status:
+                seen.extend((time.monotonic(), record))
+                return
+            time.sleep(0.02)
+
+    threading.Thread(target=poll, daemon=True).start()
+    return seen
+
+
+def health(address, timeout_s=5.0):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def test_a_killed_ingress_is_unavailable_with_the_resume_hint(service, reference, store):
+    """SIGKILL the ingress replica mid-stream: the client gets UNAVAILABLE with the resume hint and no Ray
+    internals; health answers (never DEADLINE_EXCEEDED) until the replacement serves; the verifier's
+    stream for the vanished client stops (its session is cancelled, far short of max_new_tokens); the
+    client resumes exactly."""
+    n = 220
+    received, session, killed_at = [], None, None
+    with GenerationClient(service.address, token=TOKEN, timeout_s=120) as client:
+        with pytest.raises(grpc.RpcError) as lost:
+            for chunk in client.generate(prompt=PROMPTS[0], max_new_tokens=n, ignore_eos=True):
+                session = session or chunk.session_id
+                received += chunk.token_ids
+                if len(received) >= 8 and killed_at is None:
+                    os.kill(replica_pid("ingress"), signal.SIGKILL)
+                    killed_at = time.monotonic()
+                    stopped = watch_status(store, session, CANCELLED)
+        details = lost.value.details()
+        assert killed_at is not None, (lost.value.code(), details)
+        unavailable_s = time.monotonic() - killed_at
+        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE, details
+        assert "session_id" in details and "tokens_received" in details
+        assert not any(w in details for w in ("actor", "ServeReplica", "pid", "ip:", "Traceback")), details
+
+        # health: every check answers, within its deadline, until the new replica serves
+        checks, slowest = [], 0.0
+        while True:
+            t0 = time.monotonic()
+            checks.append(health(service.address, timeout_s=5.0))
+            slowest = max(slowest, time.monotonic() - t0)
+            if checks[-1] == "SERVING" and len(checks) > 1:
+                break
+            assert time.monotonic() - killed_at < 120, checks
+            time.sleep(0.2)
+        serving_again_s = time.monotonic() - killed_at
+
+        wait_until(lambda: stopped, 30, "the orphaned stream's session to be cancelled")
+        orphan_s, record = stopped[0] - killed_at, stopped[1]
+        assert len(record.output_ids) < n
+        rest = resume_until_served(client, session, len(received))
+    assert received + rest == want(reference, PROMPTS[0], n)
+    print(f"\nkilled ingress: UNAVAILABLE after {unavailable_s:.2f} s; health {checks.count('NOT_SERVING')} x "
+          f"NOT_SERVING, slowest check {slowest:.2f} s, SERVING again after {serving_again_s:.1f} s; the orphaned "
+          f"stream was cancelled {orphan_s:.2f} s after the kill, at {len(record.output_ids)}/{n} tokens")
