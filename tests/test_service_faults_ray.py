@@ -161,3 +161,56 @@ def test_a_killed_ingress_is_unavailable_with_the_resume_hint(service, reference
     print(f"\nkilled ingress: UNAVAILABLE after {unavailable_s:.2f} s; health {checks.count('NOT_SERVING')} x "
           f"NOT_SERVING, slowest check {slowest:.2f} s, SERVING again after {serving_again_s:.1f} s; the orphaned "
           f"stream was cancelled {orphan_s:.2f} s after the kill, at {len(record.output_ids)}/{n} tokens")
+
+
+def served_now(address, prompt=PROMPTS[1]):
+    """A Generate right now completes (8 tokens, within 30 s)."""
+    with GenerationClient(address, token=TOKEN, timeout_s=30) as client:
+        chunks = list(client.generate(prompt=prompt, max_new_tokens=8, ignore_eos=True))
+    return chunks[-1].final.usage.completion_tokens == 8
+
+
+def poll_health(address, until, timeout_s=180.0):
+    """(seconds since the start, status or the RpcError's code) every 0.2 s until `until(status)`."""
+    t0, seen = time.monotonic(), []
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            status = health(address, timeout_s=5.0)
+        except grpc.RpcError as exc:
+            status = exc.code().name
+        seen.append((time.monotonic() - t0, status))
+        if until(status):
+            return seen
+        time.sleep(0.2)
+    raise AssertionError(f"health never reached the state wanted: {seen[-5:]}")
+
+
+def test_health_is_serving_only_while_a_verifier_serves(service, model_dirs):  # noqa: F811
+    """Health means a Generate would be served now: the verifier killed, health turns NOT_SERVING within
+    the lease (3 s) and SERVING once the replacement serves; the application deployed again from nothing,
+    NOT_SERVING while the verifier loads, and a Generate is served at the first SERVING."""
+    from dflash.service.health import LEASE_TTL_S
+    from ray import serve
+
+    assert health(service.address) == "SERVING"
+    killed_at = time.monotonic()
+    ray.kill(replica_actor("verifier"), no_restart=True)
+    down = poll_health(service.address, lambda s: s == "NOT_SERVING")
+    not_serving_after_s = time.monotonic() - killed_at
+    assert not_serving_after_s < LEASE_TTL_S + 2.0, down
+    up = poll_health(service.address, lambda s: s == "SERVING")
+    assert served_now(service.address)
+    print(f"\nverifier killed: NOT_SERVING after {not_serving_after_s:.2f} s, SERVING again after "
+          f"{time.monotonic() - killed_at:.1f} s ({len(up)} checks), and served at once")
+
+    serve.delete(service.config.app_name)
+    deploying = threading.Thread(target=service.deploy, args=(service.config,))
+    deploying.start()
+    seen = poll_health(service.address, lambda s: s == "SERVING")
+    assert served_now(service.address)
+    deploying.join(300)
+    answered = [s for _, s in seen if s in ("SERVING", "NOT_SERVING")]
+    assert "NOT_SERVING" in answered, seen  # the ingress answered before the verifier had loaded
+    first = next(t for t, s in seen if s == "NOT_SERVING")
+    print(f"deployed from nothing: NOT_SERVING for {seen[-1][0] - first:.1f} s while the verifier loaded, "
+          f"then SERVING and served at once")

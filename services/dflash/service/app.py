@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
+import ray
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve import Application
@@ -25,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from ..api.v1 import generate_pb2
 from .config import ConfigError, ServiceConfig
 from .consumers import Consumer, ConsumerWatch
+from .health import ServingCheck, VerifierLease
 from .ingress import Ingress, Rejected, check_decoded
 from .messages import MalformedMessage, StreamError, VerifyRequest
 from .metrics import ServiceMetrics
@@ -66,6 +68,7 @@ class IngressDeployment:
         self.verifier = verifier
         self.store = _store(self.config)
         self.consumer = Consumer.here()
+        self.health = ServingCheck(self.store, self._ping_verifier)
 
     async def Generate(self, request: generate_pb2.GenerateRequest | MalformedMessage,
                        grpc_context: RayServegRPCContext) -> AsyncIterator[generate_pb2.GenerateChunk]:
@@ -114,12 +117,12 @@ class IngressDeployment:
         except Rejected as exc:
             _set_status(grpc_context, exc)
             raise
-        try:
-            await asyncio.to_thread(self.store.ping)
-            status = health_pb2.HealthCheckResponse.SERVING
-        except Exception:  # the store is down: alive, but not ready to serve
-            status = health_pb2.HealthCheckResponse.NOT_SERVING
-        return health_pb2.HealthCheckResponse(status=status)
+        serving = await self.health.serving()  # Redis answers and a verifier replica holds a live lease
+        return health_pb2.HealthCheckResponse(
+            status=health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def _ping_verifier(self) -> bool:
+        return await self.verifier.ready.remote()
 
     async def Watch(self, request: health_pb2.HealthCheckRequest | MalformedMessage,
                     grpc_context: RayServegRPCContext) -> AsyncIterator[health_pb2.HealthCheckResponse]:
@@ -143,6 +146,16 @@ class VerifierDeployment:
         self.verifier = Verifier(engine, store, cfg.model_name, metrics)
         self.drafters = drafters  # holds the drafter deployment in the application graph
         self.consumers = ConsumerWatch()
+        self.lease = VerifierLease(store, ray.get_runtime_context().get_actor_id() or "verifier", _running_loop()).start()
+
+    def ready(self) -> bool:
+        """Answers once the engine is up (health's ping where the store is in-process)."""
+        return True
+
+    def __del__(self) -> None:
+        lease = getattr(self, "lease", None)
+        if lease is not None:
+            lease.stop()
 
     async def stream(self, verify: VerifyRequest, carrier: dict[str, str],
                      consumer: Consumer | None = None) -> AsyncIterator[generate_pb2.GenerateChunk | StreamError]:
@@ -209,6 +222,14 @@ def grpc_options(config: ServiceConfig) -> gRPCOptions:
 
     functions = [*SERVICERS, REFLECTION] if config.reflection else list(SERVICERS)
     return gRPCOptions(port=config.grpc_port, grpc_servicer_functions=functions, enable_reflection=False)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop a replica's constructor runs on (Serve's user-code loop, where its streams run)."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _metadata(grpc_context: RayServegRPCContext) -> dict[str, str]:
