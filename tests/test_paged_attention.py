@@ -92,7 +92,7 @@ def test_the_batched_backend_equals_the_per_session_loop(spec, causal, window):
 def test_backends_are_chosen_by_device_and_named_when_wrong():
     assert backend_for(torch.device("cpu")).name == "padded_sdpa"
     assert backend_for(torch.device("cpu"), "loop").name == "loop"
-    with pytest.raises(DFlashError, match="'varlen' runs on CUDA only"):
+    with pytest.raises(DFlashError, match="'varlen' runs on CUDA in float16/bfloat16 only, not cpu"):
         backend_for(torch.device("cpu"), "varlen")
     with pytest.raises(DFlashError, match="'flash' is not one of auto"):
         backend_for(torch.device("cpu"), "flash")
@@ -175,3 +175,59 @@ def test_the_varlen_backend_equals_the_loop_on_cuda():
             want = SessionLoop().attend(query, pool.keys[0], pool.values[0], plan, None, window)
             got = backend_for(device).attend(query, pool.keys[0], pool.values[0], plan, None, window)
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_steps_equal_eager_steps():
+    """Decode and whole-block verify steps replayed from CUDA graphs (bf16, varlen backend) give the
+    tokens and accepted lengths of the same engine run eagerly; prefill stays eager."""
+    from dflash.engine import SpeculativeEngine
+    from dflash.drafter.local import LocalDrafter
+    from dflash.target import TargetModel
+
+    target_model = tiny_target("qwen3").to("cuda", torch.bfloat16)
+    drafter_model = tiny_drafter(target_model).to("cuda", torch.bfloat16)
+    requests = [(p, SamplingParams(max_new_tokens=24, ignore_eos=True, block_size=(None, 1)[i % 2]))
+                for i, p in enumerate(prompts(6, seed=3, hi=50))]
+    runs = []
+    for graphs in (False, True):
+        target = TargetModel(target_model, drafter_model.config.target_layer_ids, cuda_graphs=graphs)
+        drafter = LocalDrafter(drafter_model, target.embed_tokens, target.lm_head)
+        engine = SpeculativeEngine(target, drafter, config=SchedulerConfig(verify_policy="full", max_running=8))
+        assert (target.graphs is not None) == graphs and target.attention.name == "varlen"
+        gens = [engine.start(p, params, request_id=f"r{i}") for i, (p, params) in enumerate(requests)]
+        for g in gens:
+            engine.submit(g)
+        while engine.step():
+            pass
+        runs.append([(g.output_ids, [r.stats.accepted_tokens for r in g.outbox]) for g in gens])
+    assert runs[0] == runs[1]
+
+
+def test_graph_buckets_and_the_static_forward_on_cpu():
+    """What the CUDA graphs capture, run eagerly here: the static forward (all rows, features) equals the
+    packed forward for the same tokens. (The capture and replay themselves are the `gpu` test above.)"""
+    from dflash.cuda_graphs import token_buckets
+    from dflash.packed_attention import PackedBatch
+    from dflash.target import ForwardItem, TargetModel
+
+    assert token_buckets(5) == [1, 2, 4, 16] and token_buckets(40) == [1, 2, 4, 8, 16, 32, 48]
+    model = tiny_target("qwen3")
+    target = TargetModel(model, (0, 2))
+    assert not target.can_use_graphs  # CPU: padded SDPA, no graphs
+    items = [ForwardItem("a", (5, 6, 7), 0), ForwardItem("b", (8, 9), 0)]
+    want = []
+    for attempt in ("packed", "static"):
+        cache = target.new_cache(64, 2)
+        cache.reserve("a", 10)
+        cache.reserve("b", 10)
+        if attempt == "packed":
+            out = target.forward(cache, items)
+            want = (out.logits, out.features)
+            continue
+        batch = PackedBatch(cache, target.attention, ("a", "b"), (0, 0), (3, 2))
+        with torch.inference_mode():
+            logits, features = target.forward_static(torch.tensor([5, 6, 7, 8, 9]), batch.positions(target.device),
+                                                     batch)
+        torch.testing.assert_close(logits.float(), want[0])
+        torch.testing.assert_close(features, want[1])

@@ -74,15 +74,16 @@ class AttentionPlan:
     # -- varlen (CUDA) ------------------------------------------------------------------------------
 
     @cached_property
-    def varlen(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-        """cu_seq_q [B+1], seqused_k [B], block_table [B, P] (int32), max_q, max_k."""
-        cu, total = [0], 0
+    def varlen(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+        """cu_seq_q [B+1], cu_seq_k [B+1], seqused_k [B], block_table [B, P] (all int32), max_q, max_k."""
+        cu_q, cu_k = [0], [0]
         for s in self.spans:
-            total += s.num_queries
-            cu.append(total)
+            cu_q.append(cu_q[-1] + s.num_queries)
+            cu_k.append(cu_k[-1] + s.num_keys)
         width = max(len(s.pages) for s in self.spans)
         table = [list(s.pages) + [0] * (width - len(s.pages)) for s in self.spans]
-        return (self._tensor(cu, torch.int32), self._tensor([s.num_keys for s in self.spans], torch.int32),
+        return (self._tensor(cu_q, torch.int32), self._tensor(cu_k, torch.int32),
+                self._tensor([s.num_keys for s in self.spans], torch.int32),
                 torch.tensor(table, dtype=torch.int32).to(self.device, non_blocking=True),
                 max(s.num_queries for s in self.spans), max(s.num_keys for s in self.spans))
 
@@ -188,12 +189,12 @@ class VarlenPaged:
                scale: float | None, window: int | None) -> torch.Tensor:
         from torch.nn.attention.varlen import varlen_attn
 
-        cu_q, used_k, table, max_q, max_k = plan.varlen
+        cu_q, cu_k, used_k, table, max_q, max_k = plan.varlen
         if plan.causal:
             size = (window - 1, 0) if window is not None else (-1, 0)
         else:
             size = (window - 1, -1) if window is not None else (-1, -1)
-        return varlen_attn(query.transpose(0, 1), keys, values, cu_q, None, max_q, max_k, scale=scale,
+        return varlen_attn(query.transpose(0, 1), keys, values, cu_q, cu_k, max_q, max_k, scale=scale,
                            window_size=size, enable_gqa=keys.shape[2] != query.shape[0], seqused_k=used_k,
                            block_table=table)
 
@@ -211,14 +212,17 @@ class AttentionBackend(Protocol):
 BACKENDS: dict[str, type[AttentionBackend]] = {b.name: b for b in (PaddedSDPA, SessionLoop, VarlenPaged)}
 
 
-def backend_for(device: torch.device, name: str = "auto") -> AttentionBackend:
-    """The backend `name`, or for "auto" the one measured best on `device`'s type."""
+def backend_for(device: torch.device, name: str = "auto", dtype: torch.dtype = torch.bfloat16) -> AttentionBackend:
+    """The backend `name`, or for "auto" the one measured best on `device`'s type (Flash Attention on
+    CUDA in half precision; padded SDPA otherwise, fp32 on CUDA included)."""
+    half = dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
-        name = "varlen" if device.type == "cuda" else "padded_sdpa"
+        name = "varlen" if device.type == "cuda" and half else "padded_sdpa"
     if name not in BACKENDS:
         raise DFlashError(f"attention backend: {name!r} is not one of auto, {', '.join(BACKENDS)}")
-    if name == "varlen" and device.type != "cuda":
-        raise DFlashError("attention backend: 'varlen' runs on CUDA only")
+    if name == "varlen" and (device.type != "cuda" or not half):
+        raise DFlashError(f"attention backend: 'varlen' runs on CUDA in float16/bfloat16 only, not {device.type} "
+                          f"{str(dtype).removeprefix('torch.')}")
     return BACKENDS[name]()
 
 

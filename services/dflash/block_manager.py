@@ -56,7 +56,7 @@ class BlockManager:
     `max_sessions` sessions at once (growable: both double when needed)."""
 
     def __init__(self, shape: CacheShape, budget_tokens: int, page_tokens: int = 16, max_sessions: int = 16,
-                 growable: bool = False) -> None:
+                 growable: bool = False, spare_tokens: int = 0) -> None:
         if budget_tokens < 1:
             raise DFlashError(f"cache budget: {budget_tokens} tokens; give at least one")
         if page_tokens < 1 or max_sessions < 1:
@@ -66,11 +66,13 @@ class BlockManager:
         self.growable = growable
         self.budget_tokens = budget_tokens
         self.max_sessions = max_sessions
-        self.num_pages = self.pages_for(budget_tokens) + max_sessions
+        self.spare_tokens = spare_tokens
+        self.num_pages = self.pages_for(budget_tokens) + max_sessions + self.pages_for(spare_tokens)
         self.keys = self._new_pool(self.num_pages)
         self.values = self._new_pool(self.num_pages)
         self._free = list(range(self.num_pages - 1, -1, -1))  # popped from the end: low ids first
         self._tables: dict[str, _Table] = {}
+        self._spare: str | None = None
         self.reserved_tokens = 0
 
     # -- accounting -------------------------------------------------------------------------------
@@ -80,7 +82,7 @@ class BlockManager:
 
     def can_reserve(self, tokens: int) -> bool:
         return self.growable or (self.reserved_tokens + tokens <= self.budget_tokens
-                                 and len(self._tables) < self.max_sessions)
+                                 and self.num_sessions < self.max_sessions)
 
     def reserve(self, session_id: str, tokens: int) -> None:
         """Admit a session that may hold up to `tokens` positions; CacheFullError when they do not fit."""
@@ -89,12 +91,19 @@ class BlockManager:
         if not self.can_reserve(tokens):
             raise CacheFullError(f"cache: {tokens} tokens for one more session do not fit; "
                                  f"{self.budget_tokens - self.reserved_tokens} of {self.budget_tokens} tokens and "
-                                 f"{self.max_sessions - len(self._tables)} of {self.max_sessions} sessions are free")
+                                 f"{self.max_sessions - self.num_sessions} of {self.max_sessions} sessions are free")
         if self.growable and (self.reserved_tokens + tokens > self.budget_tokens
-                              or len(self._tables) >= self.max_sessions):
-            self._grow(self.reserved_tokens + tokens, len(self._tables) + 1)
+                              or self.num_sessions >= self.max_sessions):
+            self._grow(self.reserved_tokens + tokens, self.num_sessions + 1)
         self._tables[session_id] = _Table(tokens)
         self.reserved_tokens += tokens
+
+    def reserve_spare(self, session_id: str) -> None:
+        """Give the spare tokens to one internal session, outside the budget and the session count."""
+        if self._spare is not None or not self.spare_tokens:
+            raise DFlashError("cache: the spare tokens are already taken, or there are none")
+        self._spare = session_id
+        self._tables[session_id] = _Table(self.spare_tokens)
 
     def free(self, session_id: str) -> None:
         table = self._tables.pop(session_id, None)
@@ -107,12 +116,12 @@ class BlockManager:
 
     @property
     def num_sessions(self) -> int:
-        return len(self._tables)
+        return len(self._tables) - (self._spare is not None)
 
     @property
     def allocated_bytes(self) -> int:
         """Bytes of the pages sessions hold now (the pool itself is allocated once, at start)."""
-        held = sum(len(t.pages) for t in self._tables.values())
+        held = sum(len(t.pages) for sid, t in self._tables.items() if sid != self._spare)
         return held * self.page_tokens * self.shape.bytes_per_token
 
     # -- tables -----------------------------------------------------------------------------------
@@ -169,7 +178,7 @@ class BlockManager:
             self.budget_tokens *= 2
         while self.max_sessions < sessions:
             self.max_sessions *= 2
-        new_size = self.pages_for(self.budget_tokens) + self.max_sessions
+        new_size = self.pages_for(self.budget_tokens) + self.max_sessions + self.pages_for(self.spare_tokens)
         for name in ("keys", "values"):
             old = getattr(self, name)
             new = self._new_pool(new_size)

@@ -104,7 +104,12 @@ class SpeculativeEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.limits = RequestLimits(target.vocab_size, target.max_positions, drafter.block_size if drafter else 0)
         self.config = config
-        self.cache = target.new_cache(config.cache_tokens, config.max_running)
+        # Decode/verify steps as CUDA graphs where they can be: up to every session verifying a block.
+        graph_tokens = min(config.max_step_tokens, config.max_running * (drafter.block_size if drafter else 1))
+        graph_tokens = -(-graph_tokens // 16) * 16 if target.can_use_graphs else 0
+        self.cache = target.new_cache(config.cache_tokens, config.max_running, spare_tokens=graph_tokens)
+        if graph_tokens:
+            target.capture_graphs(self.cache, config.max_running, graph_tokens)
         self.scheduler = Scheduler(config, self.cache)
         self.observer = observer
         self.journal = journal

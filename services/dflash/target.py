@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -12,6 +13,9 @@ from . import packed_attention
 from .attention_backend import backend_for, page_tokens_for
 from .block_manager import BlockManager, CacheShape
 from .packed_attention import NO_MASK, PackedBatch
+
+if TYPE_CHECKING:
+    from .cuda_graphs import GraphRunner
 
 
 @dataclass
@@ -65,9 +69,12 @@ class TargetModel:
     is plain SDPA unless a packed batch is passed, so the model still works elsewhere (`generate()`).
     """
 
-    def __init__(self, model: PreTrainedModel, layer_ids: tuple[int, ...] = (), attention: str = "auto") -> None:
+    def __init__(self, model: PreTrainedModel, layer_ids: tuple[int, ...] = (), attention: str = "auto",
+                 cuda_graphs: bool = True) -> None:
         self.model = model.eval()
-        self.attention = backend_for(model.device, attention)
+        self.attention = backend_for(model.device, attention, model.dtype)
+        self.cuda_graphs = cuda_graphs
+        self.graphs: GraphRunner | None = None  # set by capture_graphs
         self.model.set_attn_implementation(packed_attention.IMPLEMENTATION)
         self.layer_ids = tuple(layer_ids)
         text = model.config.get_text_config()
@@ -98,16 +105,38 @@ class TargetModel:
         """Positions per KV page (what the attention backend reads best); reservations take whole pages."""
         return page_tokens_for(self.attention)
 
-    def new_cache(self, budget_tokens: int, max_sessions: int = 1) -> BlockManager:
-        """A paged KV pool for up to `max_sessions` sessions holding at most `budget_tokens` positions in all."""
-        return BlockManager(self.cache_shape, budget_tokens, self.page_tokens, max_sessions)
+    def new_cache(self, budget_tokens: int, max_sessions: int = 1, spare_tokens: int = 0) -> BlockManager:
+        """A paged KV pool for up to `max_sessions` sessions holding at most `budget_tokens` positions in all
+        (plus `spare_tokens` outside the budget: CUDA graphs' padding)."""
+        return BlockManager(self.cache_shape, budget_tokens, self.page_tokens, max_sessions, spare_tokens=spare_tokens)
+
+    @property
+    def can_use_graphs(self) -> bool:
+        """Whether decode/verify steps can replay CUDA graphs here (CUDA, varlen backend, not switched off)."""
+        return self.cuda_graphs and self.device.type == "cuda" and self.attention.name == "varlen"
+
+    def capture_graphs(self, cache: BlockManager, max_sessions: int, max_tokens: int) -> None:
+        """Capture decode/verify forwards on `cache` for up to `max_sessions` sessions and `max_tokens`
+        tokens (cuda_graphs.py); the cache needs `max_tokens` spare tokens for the padding."""
+        from .cuda_graphs import GraphRunner
+
+        self.graphs = GraphRunner(self, cache, max_sessions, max_tokens)
 
     @torch.inference_mode()
     def forward(self, cache: BlockManager, items: list[ForwardItem]) -> PackedOutput:
         """One forward over every item's tokens, extending each session's cache; outputs in item order.
 
         Logits for every token of an item (or its last with last_only), features for every token.
+        Decodes and verifies replay a CUDA graph when one was captured for this cache.
         """
+        if self.graphs is not None and self.graphs.cache is cache and self.graphs.fits(items):
+            logits, features = self.graphs.run(items)
+            offsets, total = [], 0
+            for item in items:
+                offsets.append(total)
+                total += len(item.token_ids)
+            counts = [len(i.token_ids) for i in items]
+            return PackedOutput(logits.float(), features, offsets, counts, offsets, counts)
         batch = PackedBatch(cache, self.attention, tuple(i.session_id for i in items), tuple(i.start for i in items),
                             tuple(len(i.token_ids) for i in items))
         ids = torch.tensor([t for i in items for t in i.token_ids], dtype=torch.long).to(self.device, non_blocking=True)
@@ -132,6 +161,17 @@ class TargetModel:
         else:
             features = ids.new_zeros((ids.shape[0], 0), dtype=torch.float32)
         return PackedOutput(logits, features, starts, counts, batch.offsets, list(batch.num_tokens))
+
+    def forward_static(self, ids: torch.Tensor, positions: torch.Tensor, batch: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward a CUDA graph captures: ids [T], positions [1, T], a batch of static buffers ->
+        logits [T, V] and features [T, F] of every token (no host work, no host sync)."""
+        out = self.model(input_ids=ids.unsqueeze(0), position_ids=positions, attention_mask=NO_MASK, use_cache=False,
+                         output_hidden_states=bool(self.layer_ids), logits_to_keep=0, dflash_batch=batch)
+        if self.layer_ids:
+            features = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
+        else:
+            features = ids.new_zeros((ids.shape[0], 0), dtype=torch.float32)
+        return out.logits[0], features
 
     def forward_alone(self, token_ids: Iterable[int]) -> TargetOutput:
         """One sequence from position 0 on a throwaway cache: logits and features of every token."""

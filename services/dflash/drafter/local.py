@@ -36,7 +36,7 @@ class LocalDrafter:
         self.target_layer_ids = cfg.target_layer_ids
         param = next(model.parameters())
         self._max_rows = (cfg.raw.get("max_position_embeddings") or 1 << 20) + cfg.block_size
-        self.attention = backend_for(param.device, attention) if isinstance(attention, str) else attention
+        self.attention = backend_for(param.device, attention, param.dtype) if isinstance(attention, str) else attention
         self.cache = BlockManager(CacheShape(len(model.layers), cfg.num_key_value_heads, cfg.head_dim, param.dtype,
                                              param.device), _INITIAL_TOKENS, page_tokens_for(self.attention),
                                   growable=True)
