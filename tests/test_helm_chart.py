@@ -469,7 +469,8 @@ def test_gpu_split(variant):
         if cpu_only:
             assert "nvidia.com/gpu" not in limits and "nodeSelector" not in spec
             continue
-        assert limits["nvidia.com/gpu"] >= 1 and limits["nvidia.com/gpu"] == spec["containers"][0]["resources"]["requests"]["nvidia.com/gpu"]
+        requests = spec["containers"][0]["resources"]["requests"]
+        assert limits["nvidia.com/gpu"] >= 1 and limits["nvidia.com/gpu"] == requests["nvidia.com/gpu"]
         assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
     selectors = [g[role]["template"]["spec"].get("nodeSelector") for role in ("verifier", "drafter")]
     if all(selectors):  # a variant that names both node groups names two different ones
@@ -1613,7 +1614,7 @@ def test_replicas_spread_over_nodes(variant):
     pods = spread_pods(variant)
     others = {name: labels for name, (_, labels) in pods.items()}
     others["head"] = groups(variant)["head"]["template"]["metadata"]["labels"]
-    for name, (spec, labels) in pods.items():
+    for name, (spec, _labels) in pods.items():
         (constraint,) = spec["topologySpreadConstraints"]
         assert constraint["topologyKey"] == "kubernetes.io/hostname" and constraint["maxSkew"] == 1
         assert constraint["whenUnsatisfiable"] == "ScheduleAnyway"
@@ -1668,7 +1669,8 @@ def test_kuberay_parses_the_resources_param(variant):
 
 
 def test_the_old_resources_form_failed_kuberays_parser():
-    """The chart rendered "{\\"name\\": n}" until now (backslash-escaped, in double quotes), which Ray's autoscaler reads but
-    KubeRay's getResourcesMap cannot: after trimming the quotes the backslashes stay, and json.Unmarshal fails."""
+    """The chart rendered "{\\"name\\": n}" until now (backslash-escaped, in double quotes), which Ray's autoscaler
+    reads but KubeRay's getResourcesMap cannot: after trimming the quotes the backslashes stay, and json.Unmarshal
+    fails."""
     with pytest.raises(json.JSONDecodeError):
         kuberay_resources_map({"resources": '"{\\"dflash_verifier\\": 1}"'})

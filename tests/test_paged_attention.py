@@ -1,7 +1,8 @@
 """The paged KV pool and the attention backends: one attention call per layer for every session, equal to
 the per-session loop it replaced, and a step whose operator count does not grow with its sessions.
 
-Tiny real Llama / Qwen3 targets (Qwen3 with sliding-window layers in target and drafter) and random DFlash drafters, fp32, CPU.
+Tiny real Llama / Qwen3 targets (Qwen3 with sliding-window layers in target and drafter) and random
+DFlash drafters, fp32, CPU.
 The CUDA backend (Flash Attention's varlen kernel over the block table) is covered by the `gpu` tests at
 the end, skipped where no GPU exists.
 """
@@ -181,8 +182,8 @@ def test_the_varlen_backend_equals_the_loop_on_cuda():
 def test_cuda_graph_steps_equal_eager_steps():
     """Decode and whole-block verify steps replayed from CUDA graphs (bf16, varlen backend) give the
     tokens and accepted lengths of the same engine run eagerly; prefill stays eager."""
-    from dflash.engine import SpeculativeEngine
     from dflash.drafter.local import LocalDrafter
+    from dflash.engine import SpeculativeEngine
     from dflash.target import TargetModel
 
     target_model = tiny_target("qwen3").to("cuda", torch.bfloat16)

@@ -9,7 +9,8 @@ and returned when it ends, so a steady-state step allocates no tensor.
 Memory is accounted in tokens against the budget: a session reserves the most tokens it can ever hold
 when it is admitted, so a running session never runs out and admission is the only place where the
 budget can say no. The pool has one page per session more than the budget needs (each session's last
-page may be part empty), so reservations that fit the budget always find their pages. Rolling back rejected draft tokens only lowers `length`: the rejected
+page may be part empty), so reservations that fit the budget always find their pages. Rolling back
+rejected draft tokens only lowers `length`: the rejected
 positions are overwritten by the next round. A pool made `growable` (the drafter's, bounded by sessions,
 not bytes) doubles when a reservation does not fit instead of refusing it.
 """
@@ -141,7 +142,8 @@ class BlockManager:
         table = self._tables[session_id]
         end = start + n
         if start > table.length:
-            raise DFlashError(f"cache: session {session_id!r} holds {table.length} positions, a write starts at {start}")
+            raise DFlashError(f"cache: session {session_id!r} holds {table.length} positions, "
+                              f"a write starts at {start}")
         if end > table.reserved:
             raise DFlashError(f"cache: session {session_id!r} reserved {table.reserved} positions, needs {end}")
         needed = self.pages_for(end)

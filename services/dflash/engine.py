@@ -423,7 +423,8 @@ class SpeculativeEngine:
             return [d.tokens.shape[0] for d in drafts]
         return self.policy.verify_lengths(decision, [d.probs for d in drafts], base_tokens, draft_ms)
 
-    def _kept_features(self, decodes: list[Generation], outs: PackedOutput, accepted: list[int]) -> list[torch.Tensor | None]:
+    def _kept_features(self, decodes: list[Generation], outs: PackedOutput,
+                       accepted: list[int]) -> list[torch.Tensor | None]:
         """Each drafting session's features of its committed rows (the next draft's context): one gather
         for all sessions, then a view per session."""
         drafting = [i for i, g in enumerate(decodes) if g.block_size > 1]

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from .errors import DFlashError, InvalidRequestError
 
 if TYPE_CHECKING:  # the service's config reads SchedulerConfig and must not import torch
-    from .generation import Generation
     from .block_manager import BlockManager
+    from .generation import Generation
 
 
 DEFAULT_STREAM_INTERVAL_MS = 50.0  # measured: docs/service.md#streaming

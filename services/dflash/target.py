@@ -162,7 +162,8 @@ class TargetModel:
             features = ids.new_zeros((ids.shape[0], 0), dtype=torch.float32)
         return PackedOutput(logits, features, starts, counts, batch.offsets, list(batch.num_tokens))
 
-    def forward_static(self, ids: torch.Tensor, positions: torch.Tensor, batch: object) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_static(self, ids: torch.Tensor, positions: torch.Tensor,
+                       batch: object) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward a CUDA graph captures: ids [T], positions [1, T], a batch of static buffers ->
         logits [T, V] and features [T, F] of every token (no host work, no host sync)."""
         out = self.model(input_ids=ids.unsqueeze(0), position_ids=positions, attention_mask=NO_MASK, use_cache=False,

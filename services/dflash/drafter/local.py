@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import DFlashError
 from ..attention_backend import AttentionBackend, backend_for, page_tokens_for
 from ..block_manager import BlockManager, CacheShape
+from ..errors import DFlashError
 from ..rounds import confident_length
 from ..sampling import propose_tokens
 from .model import DFlashDraftModel, PackedDraft
