@@ -146,7 +146,8 @@ class VerifierDeployment:
         self.verifier = Verifier(engine, store, cfg.model_name, metrics)
         self.drafters = drafters  # holds the drafter deployment in the application graph
         self.consumers = ConsumerWatch()
-        self.lease = VerifierLease(store, ray.get_runtime_context().get_actor_id() or "verifier", _running_loop()).start()
+        replica = ray.get_runtime_context().get_actor_id() or "verifier"
+        self.lease = VerifierLease(store, replica, _running_loop()).start()
 
     def ready(self) -> bool:
         """Answers once the engine is up (health's ping where the store is in-process)."""

@@ -81,7 +81,7 @@ class ConsumerWatch:
                         task.cancel()
                     self.num_cancelled += len(streams)
                     return
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     continue
         finally:
             self._probes.pop(key, None)
