@@ -214,3 +214,102 @@ def test_health_is_serving_only_while_a_verifier_serves(service, model_dirs):  #
     first = next(t for t, s in seen if s == "NOT_SERVING")
     print(f"deployed from nothing: NOT_SERVING for {seen[-1][0] - first:.1f} s while the verifier loaded, "
           f"then SERVING and served at once")
+
+
+def ray_metric(name: str, labels: dict[str, str] | None = None) -> float | None:
+    """A metric's value summed over Ray's Prometheus endpoints (ray.nodes()' MetricsExportPort; the
+    replicas' ray.util.metrics arrive there within Ray's report interval); None when not exported yet."""
+    import urllib.request
+
+    total, found = 0.0, False
+    for node in ray.nodes():
+        if not node["Alive"]:
+            continue
+        with urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
+                                    timeout=10) as page:
+            for line in page.read().decode().splitlines():
+                if line.startswith("#") or not line.split("{")[0].split(" ")[0].endswith(name):
+                    continue
+                if all(f'{k}="{v}"' in line for k, v in (labels or {}).items()):
+                    total, found = total + float(line.rsplit(" ", 1)[1]), True
+    return total if found else None
+
+
+def drafter_hot_sessions(app_name: str) -> float:
+    from dflash.service.autoscaling import HOT_SESSIONS
+    from ray import serve
+
+    handle = serve.get_deployment_handle("drafter", app_name)
+    return handle.record_autoscaling_stats.remote().result(timeout_s=30)[HOT_SESSIONS]
+
+
+def session_ids(store) -> set[str]:
+    """Every session the store holds (the hashes, not their :out token strings)."""
+    prefix = f"{store.prefix}:s:"
+    return {k.decode()[len(prefix):] for k in store.redis.scan_iter(f"{prefix}*") if not k.endswith(b":out")}
+
+
+def test_every_cancel_reaches_the_engine(service, model_dirs, store):  # noqa: F811
+    """16 streams cancelled by their clients at random points (before the first chunk, after 1 to 6
+    chunks): every session they opened ends cancelled (in the store and in dflash_requests_total), none
+    runs to its end, and the engine's running batch and the drafter replica's draft caches are empty
+    afterwards. (A cancel that lands before the ingress has forwarded the call opens no session.)"""
+    n, streams = 200, 16
+    service.deploy(config_tree(model_dirs, service.config.redis.url, "disaggregated",
+                               drafter={"ray_actor_options": ACTOR, "num_replicas": 1}))
+    with GenerationClient(service.address, token=TOKEN, timeout_s=120) as client:  # warm: the metric exists
+        list(client.generate(prompt=PROMPTS[2], max_new_tokens=8, ignore_eos=True))
+
+    def counted(status):
+        return ray_metric("dflash_requests_total", {"status": status}) or 0.0
+
+    wait_until(lambda: counted("finished"), 60, "Ray to export the verifier's metrics", interval_s=1.0)
+    before = {status: counted(status) for status in ("finished", "cancelled", "failed")}
+    sessions_before = session_ids(store)
+    rng = random.Random(34)
+    points = [rng.randint(0, 6) for _ in range(streams)]
+    waits = [rng.random() * 0.05 for _ in range(streams)]
+    sessions, at_cancel, errors = [None] * streams, [0] * streams, []
+
+    def one(i):
+        with GenerationClient(service.address, token=TOKEN, timeout_s=120) as client:
+            call = client.generate(prompt=PROMPTS[i % 4], max_new_tokens=n, ignore_eos=True)
+            try:
+                if points[i] == 0:
+                    time.sleep(waits[i])
+                else:
+                    for k, chunk in enumerate(call, 1):
+                        sessions[i] = chunk.session_id
+                        at_cancel[i] += len(chunk.token_ids)
+                        if k == points[i]:
+                            break
+                call.cancel()
+                list(call)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.CANCELLED:
+                    errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    known = {s for s in sessions if s}
+    opened = wait_until(lambda: (ids := session_ids(store) - sessions_before) >= known and ids, 30,
+                        "the sessions to be in the store")
+    records = wait_until(lambda: all((r := store.get(s)) is not None and r.status == CANCELLED for s in opened)
+                         and [store.get(s) for s in opened], 30, "every opened session to be cancelled in the store")
+    assert all(len(r.output_ids) < n for r in records)
+    wait_until(lambda: counted("cancelled") - before["cancelled"] >= len(opened), 60,
+               f"{len(opened)} more cancelled requests in dflash_requests_total", interval_s=1.0)
+    time.sleep(6)  # one more report interval: nothing else is counted late
+    assert counted("cancelled") - before["cancelled"] == len(opened)
+    assert counted("finished") == before["finished"] and counted("failed") == before["failed"]
+    wait_until(lambda: ray_metric("dflash_running_sessions") == 0, 60, "the running batch to be empty", 1.0)
+    wait_until(lambda: drafter_hot_sessions(service.config.app_name) == 0, 30, "the drafter's caches to be freed",
+               1.0)
+    after = [len(r.output_ids) - at_cancel[sessions.index(r.session_id)] for r in records if r.session_id in known]
+    print(f"\n16 cancels ({points.count(0)} before the first chunk, {len(opened) - len(known)} of those opened a "
+          f"session): all {len(opened)} sessions cancelled; tokens committed after the client's cancel: "
+          f"max {max(after)}, median {sorted(after)[len(after) // 2]} (of {n})")

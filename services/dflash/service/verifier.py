@@ -82,7 +82,12 @@ class Verifier:
         outputs = self._outputs_here()
         try:
             context = tracing.context_from(carrier) if carrier is not None else None
-            opened = await asyncio.to_thread(self._open, request, context, outputs)
+            opening = asyncio.ensure_future(asyncio.to_thread(self._open, request, context, outputs))
+            try:
+                opened = await asyncio.shield(opening)
+            except asyncio.CancelledError:  # the thread queues the request anyway: cancel it once queued
+                opening.add_done_callback(lambda done: self._abandon(done, outputs))
+                raise
             if not isinstance(opened, _Relay):
                 yield opened
                 return
@@ -102,6 +107,23 @@ class Verifier:
                 await asyncio.to_thread(opened.close)
         except DFlashError as exc:
             yield _stream_error(exc)
+
+    def _abandon(self, opening: asyncio.Future, outputs: AsyncOutputs) -> None:
+        """A stream cancelled while its request was being opened: cancel the request it queued."""
+        if opening.cancelled() or opening.exception() is not None or not isinstance(opening.result(), _Relay):
+            return
+        relay = opening.result()
+        self.engine.cancel(relay.gen)
+
+        async def drain() -> None:  # reads the cancelled stream's end, detaching it from the outputs
+            try:
+                async for _ in outputs.batches(relay.gen):
+                    pass
+            except DFlashError:
+                pass  # it failed before it saw the cancel: nobody is left to tell
+            await asyncio.to_thread(relay.close)
+
+        asyncio.ensure_future(drain())
 
     def _outputs_here(self) -> AsyncOutputs:
         loop = asyncio.get_running_loop()
