@@ -39,7 +39,7 @@ def config_tree(model_dirs, redis_url, mode="colocated", **extra):  # noqa: F811
         "verifier": {"ray_actor_options": ACTOR, "max_ongoing_requests": 32, "max_queued_requests": -1},
         "drafter": {"ray_actor_options": ACTOR, "num_replicas": 2},
         "drafter_net": {"retry_after_s": 0.5, "timeout_s": 10.0},
-        "scheduler": {"verify_policy": "full"},
+        "scheduler": {"verify_policy": "full", "pipeline_drafts": "on"},  # drafting beside verification
     }
     tree.update(extra)
     return ServiceConfig.from_dict(tree)
@@ -313,3 +313,58 @@ def test_every_cancel_reaches_the_engine(service, model_dirs, store):  # noqa: F
     print(f"\n16 cancels ({points.count(0)} before the first chunk, {len(opened) - len(known)} of those opened a "
           f"session): all {len(opened)} sessions cancelled; tokens committed after the client's cancel: "
           f"max {max(after)}, median {sorted(after)[len(after) // 2]} (of {n})")
+
+
+def pid_listening_on(address: str) -> int:
+    import psutil
+
+    host, port = address.rsplit(":", 1)
+    for conn in psutil.net_connections(kind="tcp"):
+        ip = conn.laddr.ip.removeprefix("::ffff:") if conn.laddr else ""  # gRPC listens on IPv4-mapped v6
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == int(port) and ip == host and conn.pid:
+            return conn.pid
+    raise AssertionError(f"nothing listens on {address}")
+
+
+def test_a_hung_drafter_replica_holds_no_stream_for_its_timeout(service, model_dirs, reference, store):  # noqa: F811
+    """One of two drafter replicas stopped (SIGSTOP: alive, silent) for 8 s under 8 streams: no stream
+    waits anywhere near drafter_net.timeout_s (10 s here) for a chunk; the late replica's sessions decode
+    plainly for that round and move to the other replica; every output is exact."""
+    n, streams, stop_s = 200, 8, 6.0
+    service.deploy(config_tree(model_dirs, service.config.redis.url, "disaggregated",
+                               drafter={"ray_actor_options": ACTOR, "num_replicas": 2}))
+    wait_until(lambda: len(store.drafters()) == 2, 60, "two drafter replicas advertised", interval_s=0.2)
+    got, gaps, stopped = [[] for _ in range(streams)], [0.0] * streams, threading.Event()
+
+    def one(i):
+        with GenerationClient(service.address, token=TOKEN, timeout_s=120) as client:
+            last = None
+            for chunk in client.generate(prompt=PROMPTS[i % 4], max_new_tokens=n, ignore_eos=True,
+                                         stream_interval_ms=0):
+                now = time.monotonic()
+                if last is not None and stopped.is_set():  # the gaps while the replica is stopped
+                    gaps[i] = max(gaps[i], now - last)
+                last = now
+                got[i] += chunk.token_ids
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: all(len(g) >= 10 for g in got), 60, "every stream to be under way")
+    victim = pid_listening_on(store.drafters()[0])
+    os.kill(victim, signal.SIGSTOP)
+    stopped.set()
+    at_stop = [len(g) for g in got]
+    try:
+        time.sleep(stop_s)
+    finally:
+        stopped.clear()
+        os.kill(victim, signal.SIGCONT)
+    for t in threads:
+        t.join(120)
+    assert all(k < n for k in at_stop), at_stop  # the stop landed while every stream ran
+    for i in range(streams):
+        assert got[i] == want(reference, PROMPTS[i % 4], n), i
+    print(f"\none of 2 drafter replicas stopped {stop_s:.0f} s: slowest gap between chunks {max(gaps):.2f} s "
+          f"(drafter_net.timeout_s 10 s); outputs exact; tokens at the stop {at_stop}")
+    assert max(gaps) < 3.0, gaps

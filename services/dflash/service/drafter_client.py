@@ -5,7 +5,9 @@ session, sending only the context committed since the session's previous call. T
 each session's most recent `context_window` positions of target features in its own memory (never in
 the session store): a session whose replica changed (a failure, a new replica) is sent that window
 as a restart, and so is one the replica answers `missing_context` for (restarted, evicted). A replica
-that fails is skipped for `retry_after_s` and the next one is asked. When no replica answers, the
+that fails is skipped for `retry_after_s` (doubled for each failure in a row) and the next one is asked;
+a replica that answers later than a deadline derived from its recent answers (`_deadline_s`) counts as
+failed for the round, whose sessions decode plainly and move to another replica next round. When no replica answers, the
 round runs target-only (an empty draft): output stays exact, only slower, and the round's span says
 so. Replicas come back by advertising themselves in the store again. Every call carries the
 shared token, over mutual TLS when configured (drafter_auth.py).
@@ -17,6 +19,7 @@ import hashlib
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import replace
 
 import grpc
@@ -32,6 +35,9 @@ from .metrics import ServiceMetrics
 from .session_store import SessionStore
 
 LIVE_REFRESH_S = 0.5  # how stale the list of live replicas may be (a dead one fails over at once anyway)
+LATE_FACTOR = 8.0  # a replica answering this much slower than its median recent answer is late
+LATENCY_SAMPLES = 32  # recent answers per replica that its deadline is derived from
+MIN_SAMPLES = 4  # answers needed before a replica's deadline is shorter than timeout_s
 log = logging.getLogger("dflash.service")
 
 
@@ -67,6 +73,8 @@ class ContextWindow:
 class RemoteDrafter:
     """Implements the `Drafter` protocol (see drafter/protocol.py) over the internal gRPC API."""
 
+    separate_device = True  # drafts on the replicas' devices: the engine drafts beside verification
+
     def __init__(self, store: SessionStore, block_size: int, mask_token_id: int, target_layer_ids: tuple[int, ...],
                  net: DrafterNetConfig = DrafterNetConfig(), metrics: ServiceMetrics | None = None) -> None:
         self.store = store
@@ -82,15 +90,25 @@ class RemoteDrafter:
         self._live_list: list[str] = []
         self._live_at = -LIVE_REFRESH_S
         self._refused: set[str] = set()  # replicas that refused our token, logged once
+        self._latencies: dict[str, deque[float]] = {}  # each replica's recent DraftBatch round trips (s)
+        self._strikes: dict[str, int] = {}  # failures in a row: each doubles the time a replica is skipped
+        self._releases: set[grpc.Future] = set()  # Release calls in flight
         self._lock = threading.Lock()
 
     def draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
         """Drafts (see `Drafter.draft_batch`): one DraftBatch call per replica, all replicas at once; a
-        session whose replica fails moves to its next candidate; Draft.none() when nobody answered."""
+        session whose replica fails moves to its next candidate; Draft.none() when nobody answered. In a
+        `dflash.drafts` span (a child of the step that asked, even when the call outlives it: drafts
+        pipelined beside verification), the parent of the replicas' `dflash.draft` spans."""
+        with tracing.tracer().start_as_current_span("dflash.drafts", kind=trace.SpanKind.CLIENT) as span:
+            span.set_attributes({"dflash.drafts.sessions": len(requests),
+                                 "dflash.drafts.session_ids": [r.session_id for r in requests]})
+            return self._draft_batch(requests, span)
+
+    def _draft_batch(self, requests: list[DraftRequest], span: trace.Span) -> list[Draft]:
         for r in requests:
             window = self._windows.setdefault(r.session_id, ContextWindow(self.net.context_window))
             window.extend(r.context.to("cpu"), r.context_start)  # host memory: the device's is for KV
-        span = trace.get_current_span()
         results: list[Draft | None] = [None] * len(requests)
         candidates = [self._candidates(r.session_id) for r in requests]
         restarts = [False] * len(requests)  # sent again with their window after a missing_context reply
@@ -102,12 +120,26 @@ class RemoteDrafter:
                     groups.setdefault(candidates[i][0], []).append(i)
             if not groups:
                 break
+            sent = time.monotonic()
             calls = {a: self._call_batch(a, [self._request_for(a, requests[i], restarts[i]) for i in idx])
                      for a, idx in groups.items()}
             pending = [i for i in pending if not candidates[i]]
             for address, idx in groups.items():
+                deadline_s = self._deadline_s(address)
                 try:
-                    reply = calls[address].result()
+                    reply = calls[address].result(timeout=max(0.0, sent + deadline_s - time.monotonic()))
+                    self._latencies.setdefault(address, deque(maxlen=LATENCY_SAMPLES)).append(time.monotonic() - sent)
+                    self._strikes.pop(address, None)
+                except grpc.FutureTimeoutError:  # late: its sessions decode plainly this round, elsewhere next
+                    calls[address].cancel()
+                    self._mark_failed(address)
+                    log.warning("drafter replica %s did not answer within %.2f s; its %d sessions decode plainly "
+                                "this round and move to another replica", address, deadline_s, len(idx))
+                    span.add_event("drafter late", {"dflash.drafter.replica": address})
+                    for i in idx:
+                        if self._holder.get(requests[i].session_id) == address:
+                            self._holder.pop(requests[i].session_id)
+                    continue
                 except grpc.RpcError as exc:
                     self._mark_failed(address)
                     self._log_refusal(address, exc)
@@ -147,11 +179,15 @@ class RemoteDrafter:
         self._windows.pop(session_id, None)
         if address is None:
             return
-        try:
-            self._stub(address).Release(drafter_pb2.ReleaseRequest(session_id=session_id), timeout=self.net.timeout_s,
-                                        metadata=drafter_auth.call_metadata(self.net))
-        except grpc.RpcError:
-            pass
+        if self._failed_until.get(address, 0.0) > time.monotonic():
+            return  # a replica skipped as failed: it is not waited for (it evicts idle caches itself)
+        # Not waited for: a hung replica must not hold the step that retires a session. Kept until done: a
+        # grpc future that is garbage-collected cancels its call.
+        call = self._stub(address).Release.future(drafter_pb2.ReleaseRequest(session_id=session_id),
+                                                  timeout=self.net.timeout_s,
+                                                  metadata=drafter_auth.call_metadata(self.net))
+        self._releases.add(call)
+        call.add_done_callback(self._releases.discard)
 
     def last_replica(self, session_id: str) -> str:
         return self._holder.get(session_id, "")
@@ -202,8 +238,22 @@ class RemoteDrafter:
 
         return sorted(ok, key=score, reverse=True)
 
+    def _deadline_s(self, address: str) -> float:
+        """How long a replica's DraftBatch is waited for: LATE_FACTOR times its median recent answer
+        (the median: a cold first call or a restart's long context must not stretch it; all replicas'
+        answers for one that has given too few, such as a new one), at least drafter_net.min_deadline_s,
+        at most timeout_s (also while too few answers are known at all). A hung replica then holds a
+        step for about that long, not for the whole timeout."""
+        recent = self._latencies.get(address, ())
+        if len(recent) < MIN_SAMPLES:
+            recent = [t for times in list(self._latencies.values()) for t in times]
+        if len(recent) < MIN_SAMPLES:
+            return self.net.timeout_s
+        return min(self.net.timeout_s, max(self.net.min_deadline_s, LATE_FACTOR * sorted(recent)[len(recent) // 2]))
+
     def _mark_failed(self, address: str) -> None:
-        self._failed_until[address] = time.monotonic() + self.net.retry_after_s
+        strikes = self._strikes[address] = self._strikes.get(address, 0) + 1
+        self._failed_until[address] = time.monotonic() + self.net.retry_after_s * min(2 ** (strikes - 1), 16)
         with self._lock:
             channel = self._channels.pop(address, None)
         if channel is not None:
