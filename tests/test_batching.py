@@ -15,8 +15,17 @@ from dflash.errors import InvalidRequestError
 from dflash.loading import build_engine
 from dflash.params import SamplingParams
 from dflash.scheduler import QueueFullError, SchedulerConfig
-from dflash.verify_policy import ARMS, BURST, FIRST_LOOK, CostCurve, Decision, MeasuredPolicy, choose_verify_lengths
-from tiny import char_tokenizer, engine_for, prompts, tiny_drafter, tiny_target
+from dflash.verify_policy import (
+    ARMS,
+    BURST,
+    FIRST_LOOK,
+    PIPED,
+    CostCurve,
+    Decision,
+    MeasuredPolicy,
+    choose_verify_lengths,
+)
+from tiny import FULL, char_tokenizer, engine_for, prompts, tiny_drafter, tiny_target
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
@@ -293,6 +302,17 @@ def test_the_measured_policy_goes_with_what_pays_and_switches_both_ways():
     assert best == "full" and ratios == pytest.approx({"confident": 2.5 / 3, "plain": 1 / 3})
 
 
+def test_pipelined_drafting_is_an_arm_taken_only_where_it_measures_better():
+    """With a drafter that runs apart, drafting beside verification is a fourth arm: chosen when it
+    pays, left (and then only explored) when the serial step measures better."""
+    policy, clock = MeasuredPolicy(CostCurve.flat(), arms=(*ARMS, PIPED)), [0.0]
+    arms = drive(policy, 300, 8, {"full": 2.0, "confident": 1.8, "plain": 1.0, PIPED: 3.0}.__getitem__, clock)
+    assert PIPED in arms[: FIRST_LOOK + 3 * BURST] and arms[150:].count(PIPED) >= 0.85 * 150
+    arms = drive(policy, 400, 8, {"full": 2.0, "confident": 1.8, "plain": 1.0, PIPED: 1.5}.__getitem__, clock)
+    assert arms[200:].count("full") >= 0.85 * 200 and PIPED in arms[200:]
+    assert MeasuredPolicy(CostCurve.flat()).decide(8).arm != PIPED  # not an arm of an in-process drafter
+
+
 def test_the_measured_policy_keeps_each_batch_size_apart_and_skips_what_measures_nothing():
     """Buckets by batch size (1, 2, 4, 8, ...): drafting may pay for one stream and not for eight. Steps
     that prefill, and a period in which the loop waited for work, are not measured."""
@@ -334,3 +354,52 @@ def test_round_stats_say_how_the_step_was_verified_and_why(pair):
     assert ("full", "policy off") in seen and seen <= {("full", "policy off"), ("plain", "nothing to draft")}
     rounds = list(off.generate(prompts(1, seed=4)[0], SamplingParams(max_new_tokens=6, block_size=1)))[1:]
     assert {(r.stats.policy_arm, r.stats.policy_reason) for r in rounds} == {("plain", "block size 1")}
+
+
+PIPELINED = SchedulerConfig(verify_policy="full", pipeline_drafts="on")
+
+
+def test_pipelined_drafting_keeps_every_sessions_output_and_acceptance(pair):
+    """Drafting beside verification (two cohorts taking turns, draft_pipeline.py; here with the drafter
+    in process, in the pipeline's worker thread) changes when a round runs, never what it does: 16
+    sessions arriving in waves keep their serial per-round drafts, acceptance and output; 8 mixed
+    requests (sampling, stops, block sizes 1 to 16) their solo output; everything is freed at the end."""
+    target, drafter = pair
+    requests = [(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in prompts(16, seed=3, lo=5, hi=80)]
+    starts = [i // 4 for i in range(16)]
+    serial = run_together(engine_for(target, drafter), requests, starts)
+    engine = engine_for(target, drafter, config=PIPELINED)
+    sizes = StepSizes()
+    engine.observer = sizes
+    piped = run_together(engine, requests, starts)
+    for i in range(16):
+        assert tokens(piped[i]) == tokens(serial[i]), i
+        assert ([(r.stats.draft_tokens, r.stats.accepted_tokens) for r in piped[i]]
+                == [(r.stats.draft_tokens, r.stats.accepted_tokens) for r in serial[i]]), i
+    assert max(sizes.rounds) <= 10  # cohorts: at most about half of the 16 sessions verify in a step
+    mixed = mixed_requests(8)
+    solo = [engine_for(target, drafter, char_tokenizer()).run(p, params) for p, params in mixed]
+    engine = engine_for(target, drafter, char_tokenizer(), config=PIPELINED)
+    together = run_together(engine, mixed, starts=[0, 0, 1, 3, 3, 5, 9, 14])
+    assert [tokens(together[i]) for i in range(8)] == [s.token_ids for s in solo]
+    assert engine.cache.num_sessions == 0 and engine.drafter.num_sessions == 0
+    assert not engine.pipeline.in_flight("r0") and not engine.pipeline._held
+
+
+def test_a_lone_pipelined_stream_runs_the_serial_round(pair):
+    """With nothing to overlap a draft with, the pipeline waits for it at once: one step per round, as
+    serial; the cohorts split as evenly as the sessions allow."""
+    from dflash.draft_pipeline import cohort_split
+
+    target, drafter = pair
+    request = [(prompts(1, seed=5, lo=10, hi=11)[0], SamplingParams(max_new_tokens=30, ignore_eos=True))]
+    steps = {}
+    for name, config in (("serial", FULL), ("pipelined", PIPELINED)):
+        engine = engine_for(target, drafter, config=config)
+        observed = StepSizes()
+        engine.observer = observed
+        rounds = run_together(engine, request, [0])[0]
+        steps[name] = (len(observed.rounds), [r.stats.accepted_tokens for r in rounds], tokens(rounds))
+    assert steps["pipelined"] == steps["serial"]
+    assert [cohort_split(f, r) for f, r in ((1, 0), (8, 0), (4, 4), (3, 1), (1, 3), (2, 1), (0, 5))] == \
+        [1, 4, 4, 2, 1, 2, 0]

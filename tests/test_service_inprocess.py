@@ -45,7 +45,8 @@ def config_for(model_dirs, redis_url, **kw):
     tree = {"mode": "disaggregated", "model": {"target": str(target), "drafter": str(drafter), "device": "cpu",
             "dtype": "float32"}, "redis": {"url": redis_url},
             "drafter_net": {"retry_after_s": 0.2, "timeout_s": 5.0, "context_window": 0}, "metrics": "prometheus",
-            "scheduler": {"verify_policy": "full"}}  # every proposal verified: drafting is observable
+            # every proposal verified (drafting is observable), drafted beside verification (draft_pipeline.py)
+            "scheduler": {"verify_policy": "full", "pipeline_drafts": "on"}}
     for key, value in kw.items():
         section, _, leaf = key.partition("__")
         (tree.setdefault(section, {}).__setitem__(leaf, value)) if leaf else tree.__setitem__(key, value)
@@ -226,7 +227,8 @@ def test_one_trace_per_request_with_rounds_and_drafter_spans(service):
     # own (it serves many requests): the drafter's span is its child, each round links to its step.
     assert {s.context.trace_id for s in rounds} == {root.context.trace_id}
     assert all(s.parent.span_id == root.context.span_id for s in rounds)
-    assert all(s.parent.span_id in steps for s in drafts)
+    calls = {s.context.span_id: s for s in spans if s.name == "dflash.drafts"}
+    assert all(s.parent.span_id in calls for s in drafts) and all(c.parent.span_id in steps for c in calls.values())
     assert all(len(s.links) == 1 and s.links[0].context.span_id in steps for s in rounds)
     assert all(steps[s.links[0].context.span_id].attributes["dflash.step.sessions"] >= 1 for s in rounds)
     assert all(s.attributes["dflash.drafter.replica"] for s in drafted)
@@ -397,4 +399,12 @@ def test_concurrent_streams_share_steps_and_get_their_solo_output(model_dirs, re
     assert max(s.attributes["dflash.step.sessions"] for s in spans if s.name == "dflash.step") > 1
     if servers:
         assert max(s.attributes["dflash.sessions"] for s in spans if s.name == "dflash.draft") > 1
+        # Drafting beside verification (draft_pipeline.py): some sessions' draft call ran inside a step
+        # that verified other sessions.
+        steps = [s for s in spans if s.name == "dflash.step"]
+        calls = [s for s in spans if s.name == "dflash.drafts"]
+        verified = [(step, set(step.attributes["dflash.step.request_ids"])) for step in steps]
+        assert any(step.start_time <= call.start_time and call.end_time <= step.end_time and ids
+                   and not set(call.attributes["dflash.drafts.session_ids"]) & ids
+                   for call in calls for step, ids in verified)
     assert verifier.engine.cache.num_sessions == 0 and verifier.engine.cache.allocated_bytes == 0

@@ -42,7 +42,9 @@ def config_tree(model_dirs, redis_url, mode, **extra):
         "verifier": {"ray_actor_options": ACTOR, "max_ongoing_requests": 8, "max_queued_requests": -1},
         "drafter": {"ray_actor_options": ACTOR, "num_replicas": 2},
         "drafter_net": {"retry_after_s": 0.5, "timeout_s": 5.0},
-        "scheduler": {"verify_policy": "full"},  # every proposal verified: drafting stays observable
+        # every proposal verified (drafting stays observable); in disaggregated mode drafted beside
+        # verification (draft_pipeline.py), so the drafter-kill test runs on the pipelined path
+        "scheduler": {"verify_policy": "full", "pipeline_drafts": "on"},
     }
     tree.update(extra)
     return ServiceConfig.from_dict(tree)
@@ -381,8 +383,8 @@ def read_spans() -> list[dict]:
 def check_one_trace_across_processes(session: str, killed_drafter: str) -> None:
     """The request span (ingress) and its round spans (verifier) share one trace; each round links to
     the batched `dflash.step` it ran in (a trace of its own: a step serves many requests), whose
-    children are the drafter replicas' spans; drafts ran in two drafter processes (the one killed
-    mid-stream, then the survivor)."""
+    `dflash.drafts` calls are the parents of the drafter replicas' spans; drafts ran in two drafter
+    processes (the one killed mid-stream, then the survivor)."""
     def request_spans() -> list[dict]:  # the ingress ends its span after the last chunk is sent
         return [s for s in read_spans() if s["attributes"].get("gen_ai.response.id") == session]
 
@@ -400,7 +402,8 @@ def check_one_trace_across_processes(session: str, killed_drafter: str) -> None:
     step_ids = {r["links"][0]["context"]["span_id"] for r in rounds}
     steps = [s for s in spans if s["name"] == "dflash.step" and s["context"]["span_id"] in step_ids]
     assert len(steps) == len(step_ids) and all(s["file"].startswith("spans-dflash-verifier-") for s in steps)
-    drafts = [s for s in spans if s["name"] == "dflash.draft" and s["parent_id"] in step_ids]
+    calls = {s["context"]["span_id"] for s in spans if s["name"] == "dflash.drafts" and s["parent_id"] in step_ids}
+    drafts = [s for s in spans if s["name"] == "dflash.draft" and s["parent_id"] in calls]
     assert drafts and all(d["file"].startswith("spans-dflash-drafter-") for d in drafts)
     replicas = {d["attributes"]["dflash.drafter.replica"] for d in drafts}
     assert killed_drafter in replicas and len({d["file"] for d in drafts}) == 2, replicas

@@ -7,6 +7,8 @@ A step reads like the paper's round, for every running session at once:
     k = verify lengths                    # adaptive: what pays at this batch on this device
     outs = target.forward(...)            # ONE packed forward: verify blocks + prefill chunks
     accept, commit, emit per session      # the pure round functions of rounds.py
+With drafters on devices of their own (remote replicas), drafting runs beside verification instead of
+before it: two cohorts of sessions take turns (draft_pipeline.py).
 A single request is the same path with one session. In process, whichever request's stream needs output
 next runs the step (under the engine's lock), for everyone; a server calls `start_loop()` and one
 background thread steps while streams wait for their output.
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from .draft_pipeline import DraftPipeline, cohort_split
 from .drafter.protocol import Draft, Drafter, DraftRequest
 from .errors import DFlashError, InvalidRequestError
 from .generation import Generation, OutputListener, RoundOutput
@@ -35,7 +38,7 @@ from .sampling import sample_rows
 from .scheduler import MAX_STREAM_INTERVAL_MS, Scheduler, SchedulerConfig, StepPlan
 from .stats import GenerationStats, RoundStats
 from .target import ForwardItem, PackedOutput, TargetModel, TargetOutput
-from .verify_policy import CostCurve, Decision, MeasuredPolicy, measure_batch_cost, measure_target_cost
+from .verify_policy import ARMS, PIPED, CostCurve, Decision, MeasuredPolicy, measure_batch_cost, measure_target_cost
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -120,13 +123,16 @@ class SpeculativeEngine:
         self._admission = threading.Lock()
         self._work = threading.Event()  # set when a request arrives or is cancelled (the loop waits on it)
         self._loop: threading.Thread | None = None
+        self.pipeline = DraftPipeline(drafter) if drafter is not None and _pipelined(config, drafter) else None
         self.policy: MeasuredPolicy | None = None  # None: every proposal is verified
         if config.verify_policy == "adaptive" and (cost_curve is not None or drafter is not None):
+            # "auto": drafting beside verification is an arm, taken only where it measures better
+            arms = (*ARMS, PIPED) if self.pipeline is not None and config.pipeline_drafts == "auto" else ARMS
             if cost_curve is None:
                 cost_curve = measure_target_cost(target, config.max_step_tokens)
-                self.policy = MeasuredPolicy(cost_curve, measure_batch_cost(target, config.max_running))
+                self.policy = MeasuredPolicy(cost_curve, measure_batch_cost(target, config.max_running), arms)
             else:
-                self.policy = MeasuredPolicy(cost_curve)
+                self.policy = MeasuredPolicy(cost_curve, arms=arms)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -313,25 +319,34 @@ class SpeculativeEngine:
         if self.policy is not None:
             self.policy.step_started(t0)
         prefill_tokens = sum(n for _, n in plan.prefills)
-        base_tokens = len(plan.decodes) + prefill_tokens
         sizes = [self._round_block_size(g) for g in plan.decodes]
         decision = self._decide(sizes)
         if not decision.drafts:
             sizes = [1] * len(sizes)
-        drafts = self._propose(plan.decodes, sizes)
+        if self.pipeline is None:
+            decodes, drafts = plan.decodes, self._propose(plan.decodes, sizes)
+            round_draft_ms = None
+        else:  # with overlap, this step's cohort verifies the drafts it holds while the other one's are drafted
+            overlap = self.config.pipeline_drafts == "on" or decision.arm == PIPED
+            decodes, drafts, round_draft_ms = self._pipelined(plan.decodes, sizes, bool(plan.prefills), overlap)
+            if not decodes and not plan.prefills:
+                return  # every session is drafting (the cohorts even out): nothing to verify yet
         t1 = time.perf_counter()
-        draft_ms = (t1 - t0) * 1000
+        draft_ms = (t1 - t0) * 1000  # pipelined: only what the step waited for drafts, not what they took
+        if round_draft_ms is None:
+            round_draft_ms = [draft_ms] * len(decodes)
+        base_tokens = len(decodes) + prefill_tokens
         lengths = self._verify_lengths(decision, drafts, base_tokens, draft_ms)
         verified = [d.tokens.tolist()[:k] for d, k in zip(drafts, lengths)]
-        items = [ForwardItem(g.request_id, (g.last_token, *v), g.position) for g, v in zip(plan.decodes, verified)]
+        items = [ForwardItem(g.request_id, (g.last_token, *v), g.position) for g, v in zip(decodes, verified)]
         items += [ForwardItem(g.request_id, tuple(g.prefill_ids[g.num_cached : g.num_cached + n]), g.num_cached,
                               last_only=True) for g, n in plan.prefills]
         outs = self.target.forward(self.cache, items)
-        num_decodes = len(plan.decodes)
+        num_decodes = len(decodes)
         # Every pick of the step in one device->host copy: the decodes' posteriors, and the first token
         # of each prompt whose last chunk this is (a resumed request samples nothing).
         rows = [(g.params, g.seed, g.position + 1, outs.logit_starts[i], len(v) + 1)
-                for i, (g, v) in enumerate(zip(plan.decodes, verified))]
+                for i, (g, v) in enumerate(zip(decodes, verified))]
         firsts = [i for i, (g, n) in enumerate(plan.prefills, start=num_decodes)
                   if g.num_cached + n == len(g.prefill_ids) and not g.output_ids]
         rows += [(plan.prefills[i - num_decodes][0].params, plan.prefills[i - num_decodes][0].seed,
@@ -339,13 +354,14 @@ class SpeculativeEngine:
         picks = sample_rows(outs.logits, rows)
         posteriors, first_tokens = picks[:num_decodes], dict(zip(firsts, (p[0] for p in picks[num_decodes:])))
         accepted = [accept_length(v, post) for v, post in zip(verified, posteriors)]
-        features = self._kept_features(plan.decodes, outs, accepted)
+        features = self._kept_features(decodes, outs, accepted)
         verify_ms = self._ms_since(t1)
         num_tokens = sum(len(i.token_ids) for i in items)
         report = StepReport(start_ns, 0, draft_ms, verify_ms, num_tokens,
                             verify_lengths=lengths, prefill_tokens=prefill_tokens)
-        for gen, draft, tokens, post, n, feats in zip(plan.decodes, drafts, verified, posteriors, accepted, features):
-            round_out = self._verify_round(gen, tokens, post, n, feats, draft_ms, verify_ms, draft.replica, decision)
+        for gen, draft, tokens, post, n, feats, ms in zip(decodes, drafts, verified, posteriors, accepted, features,
+                                                          round_draft_ms):
+            round_out = self._verify_round(gen, tokens, post, n, feats, ms, verify_ms, draft.replica, decision)
             report.rounds.append((gen, round_out))
         if self.policy is not None:
             emitted = sum(len(r.token_ids) for _, r in report.rounds)
@@ -396,19 +412,44 @@ class SpeculativeEngine:
         asks = [(i, g) for i, (g, size) in enumerate(zip(decodes, sizes)) if size > 1]
         if not asks:
             return drafts
-        requests = []
-        for _, g in asks:
-            room = self.target.max_positions - 1 - g.position
-            drafted = max(self._round_block_size(g), min(self.drafter.block_size, room))
-            context = g.pending_features[0] if len(g.pending_features) == 1 else torch.cat(g.pending_features)
-            requests.append(DraftRequest(g.request_id, context, g.drafter_start, g.last_token, drafted,
-                                         g.draft_sampling))
-        for (i, g), r, d in zip(asks, requests, self.drafter.draft_batch(requests)):
-            g.drafter_start += r.context.shape[0]
-            g.pending_features = []
+        requests = [self._draft_request(g) for _, g in asks]
+        for (i, _), d in zip(asks, self.drafter.draft_batch(requests)):
             keep = sizes[i] - 1
             drafts[i] = d if d.tokens.shape[0] <= keep else Draft(d.tokens[:keep], d.probs[:keep], d.replica)
         return drafts
+
+    def _draft_request(self, g: Generation) -> DraftRequest:
+        """A session's next draft call, with the context the drafter has not seen (handed over now)."""
+        room = self.target.max_positions - 1 - g.position
+        drafted = max(self._round_block_size(g), min(self.drafter.block_size, room))
+        context = g.pending_features[0] if len(g.pending_features) == 1 else torch.cat(g.pending_features)
+        request = DraftRequest(g.request_id, context, g.drafter_start, g.last_token, drafted, g.draft_sampling)
+        g.drafter_start += context.shape[0]
+        g.pending_features = []
+        return request
+
+    def _pipelined(self, decodes: list[Generation], sizes: list[int], prefills: bool,
+                   overlap: bool) -> tuple[list[Generation], list[Draft], list[float]]:
+        """The sessions this step verifies, with their drafts and what each draft took: those holding a
+        draft (launched last step) and those not drafting; with `overlap`, drafts are launched for about
+        half of the others (`cohort_split`), which verify next step. Without (another arm of the policy),
+        or for a lone drafting session (nothing to overlap it with), the drafts launched are waited for
+        at once and verified now: the serial step."""
+        pipe = self.pipeline
+        pipe.collect()  # last step's launches: normally done while that step verified
+        drafting = [i for i, size in enumerate(sizes) if size > 1]
+        ready = [i for i in drafting if pipe.holds(decodes[i].request_id)]
+        fresh = [i for i in drafting if not pipe.holds(decodes[i].request_id)]
+        launch = fresh[:cohort_split(len(fresh), len(ready))] if overlap else fresh
+        if launch:
+            pipe.launch([decodes[i].request_id for i in launch], [self._draft_request(decodes[i]) for i in launch])
+        if launch and (not overlap or len(launch) == len(decodes) and not prefills):
+            pipe.collect()
+            ready, launch = ready + launch, []
+        verify = [i for i in range(len(decodes)) if i not in set(launch) and (sizes[i] <= 1 or i in set(ready))]
+        held = [pipe.take(decodes[i].request_id, sizes[i] - 1) for i in verify]
+        return ([decodes[i] for i in verify], [h.draft if h else Draft.none() for h in held],
+                [h.ms if h else 0.0 for h in held])
 
     def _decide(self, sizes: list[int]) -> Decision:
         """Whether this step drafts and how its proposals are verified (verify_policy.py)."""
@@ -484,6 +525,8 @@ class SpeculativeEngine:
         with self._admission:
             self.scheduler.retire(gen)
         gen.pending_features = []
+        if self.pipeline is not None:
+            self.pipeline.drop(gen.request_id)
         if self.drafter is not None and gen.block_size > 1:
             try:
                 self.drafter.release(gen.request_id)
@@ -500,3 +543,12 @@ class SpeculativeEngine:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize()
         return (time.perf_counter() - t0) * 1000
+
+
+def _pipelined(config: SchedulerConfig, drafter: Drafter) -> bool:
+    """Whether drafts may run beside verification (`scheduler.pipeline_drafts`): "on" always; "auto" for
+    drafters on devices of their own (on one device, drafting beside the target only takes from its
+    compute), as the adaptive policy's `piped` arm."""
+    if config.pipeline_drafts == "auto":
+        return bool(getattr(drafter, "separate_device", False))
+    return config.pipeline_drafts == "on"

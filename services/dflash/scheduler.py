@@ -39,7 +39,10 @@ class SchedulerConfig:
     "full" verifies every proposal (what a batch-1 engine does). stream_interval_ms: with the step loop
     running (a server), a stream gets its first token at once, then whatever rounds are ready at most
     every this many milliseconds (checked at the end of each step; 0: every round as it is made). Fewer,
-    larger messages cost the serving path less per token; a request may set its own.
+    larger messages cost the serving path less per token; a request may set its own. pipeline_drafts
+    (draft_pipeline.py): "auto" makes drafting beside verification an arm of the adaptive policy when
+    the drafter runs on devices of its own (remote replicas), taken where it measures better (never
+    with verify_policy "full"); "on" drafts beside verification in every drafting step; "off" never.
     """
 
     max_running: int = 16
@@ -48,6 +51,7 @@ class SchedulerConfig:
     cache_tokens: int = 1 << 16
     verify_policy: str = "adaptive"
     stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS
+    pipeline_drafts: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_step_tokens", "max_queued", "cache_tokens"):
@@ -60,6 +64,8 @@ class SchedulerConfig:
                               f"[0, {MAX_STREAM_INTERVAL_MS}]")
         if self.verify_policy not in ("adaptive", "full"):
             raise DFlashError(f"scheduler.verify_policy: {self.verify_policy!r} is not 'adaptive' or 'full'")
+        if self.pipeline_drafts not in ("auto", "on", "off"):
+            raise DFlashError(f"scheduler.pipeline_drafts: {self.pipeline_drafts!r} is not 'auto', 'on' or 'off'")
 
 
 @dataclass

@@ -1,9 +1,11 @@
 """How much each step drafts and verifies: decisions held against what they achieve.
 
-Three choices ("arms") for a step's decoding sessions:
+Three choices ("arms") for a step's decoding sessions, four with drafters on devices of their own:
   full       every session drafts and verifies every proposal (what a batch-1 engine does)
   confident  every session drafts; the cost model keeps the proposals that pay (below)
   plain      nobody drafts: plain batched decoding
+  piped      as full, with drafting beside verification (draft_pipeline.py): half the sessions verify
+             while the other half's drafts are made, so only the drafting that is not hidden counts
 For each batch-size bucket the policy keeps the goodput each arm really achieved (tokens committed
 per session per step period, the whole loop included: drafting, the forward, commit, streaming; the
 period counted in plain steps of as many sessions as measured at start-up, so batch sizes within a
@@ -164,6 +166,7 @@ def _verify_lengths(best_first: Sequence[tuple[float, int]], num_sessions: int,
 
 
 ARMS = ("full", "confident", "plain")
+PIPED = "piped"  # an arm only for engines whose drafter runs apart (remote replicas)
 EXPLORE_EVERY = 32  # steps on the best arm between explorations of another (x2, x4 for one that loses by much)
 FIRST_LOOK = 8  # steps into a new batch size before its other arms are first tried
 BURST = 3  # steps per exploration
@@ -192,12 +195,13 @@ class _Bucket:
     average over a long window: what a step yields drifts (contexts grow, text gets more or less
     predictable, the machine gets busier), and only steps close in time compare."""
 
-    def __init__(self, best: str) -> None:
+    def __init__(self, best: str, arms: tuple[str, ...] = ARMS) -> None:
+        self.arms = arms
         self.steps = 0
         self.best = best
         self.beside: deque[tuple[float, float]] = deque(maxlen=BESIDE)  # (tokens per session * plain ms, ms)
-        self.ratios: dict[str, deque[float]] = {a: deque(maxlen=KEEP) for a in ARMS}
-        others = [a for a in ARMS if a != best]
+        self.ratios: dict[str, deque[float]] = {a: deque(maxlen=KEEP) for a in arms}
+        others = [a for a in arms if a != best]
         self.next_explore = {a: FIRST_LOOK + i * BURST for i, a in enumerate([*others, best])}
         self.burst: tuple[str, int] | None = None  # (arm, steps left to decide)
         self.measured: list[tuple[float, float]] = []  # the burst's steps, as measured
@@ -222,7 +226,7 @@ class _Bucket:
         self.ratios[arm].append(ratio)
         if self.ratio(arm) > 1 + MARGIN:
             switch = self.ratio(arm)
-            for other in ARMS:  # ratios to the old best become ratios to the new one
+            for other in self.arms:  # ratios to the old best become ratios to the new one
                 self.ratios[other] = deque((r / switch for r in self.ratios[other]), maxlen=KEEP)
             self.ratios[self.best].append(1 / switch)
             self.ratios[arm].clear()
@@ -248,7 +252,9 @@ class MeasuredPolicy:
     (after), `step_ran` (after the forward and commit); `step_started` at every step's start closes the
     previous step's period; `idle` when the loop waited for work (that period measures nothing)."""
 
-    def __init__(self, cost_curve: CostCurve, batch_curve: CostCurve | None = None) -> None:
+    def __init__(self, cost_curve: CostCurve, batch_curve: CostCurve | None = None,
+                 arms: tuple[str, ...] = ARMS) -> None:
+        self.arms = arms  # ARMS, plus PIPED for a drafter that runs apart
         self.cost_curve = cost_curve  # the forward's ms against packed tokens (the confident arm's model)
         self.batch_curve = batch_curve or cost_curve  # a plain step's ms against sessions (the yardstick)
         self._buckets: dict[int, _Bucket] = {}
@@ -265,7 +271,7 @@ class MeasuredPolicy:
             bucket.burst = None
             bucket.judge(arm)  # its last step was measured as this step started
             bucket.next_explore[arm] = bucket.steps + _explore_gap(bucket.ratios[arm])
-        due = [a for a in ARMS if a != bucket.best and bucket.steps >= bucket.next_explore[a]]
+        due = [a for a in bucket.arms if a != bucket.best and bucket.steps >= bucket.next_explore[a]]
         if not due or not bucket.beside:
             return Decision(bucket.best, "best")
         arm = min(due, key=bucket.next_explore.__getitem__)
@@ -304,7 +310,7 @@ class MeasuredPolicy:
     def best(self, num_decoding: int) -> tuple[str, dict[str, float | None]]:
         """The best arm at this batch and each other arm's measured ratio to it, for metrics and tests."""
         bucket = self._bucket(num_decoding)
-        return bucket.best, {a: bucket.ratio(a) for a in ARMS if a != bucket.best}
+        return bucket.best, {a: bucket.ratio(a) for a in bucket.arms if a != bucket.best}
 
     def _bucket(self, num_decoding: int) -> _Bucket:
         """A new batch size starts from the best arm of the nearest one measured (full when none)."""
@@ -312,5 +318,5 @@ class MeasuredPolicy:
         bucket = self._buckets.get(key)
         if bucket is None:
             near = min(self._buckets, key=lambda k: abs(k.bit_length() - key.bit_length()), default=None)
-            bucket = self._buckets[key] = _Bucket(self._buckets[near].best if near is not None else ARMS[0])
+            bucket = self._buckets[key] = _Bucket(self._buckets[near].best if near is not None else ARMS[0], self.arms)
         return bucket

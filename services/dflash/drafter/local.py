@@ -25,6 +25,8 @@ class LocalDrafter:
     (`BlockManager`), attended through the device's attention backend (attention_backend.py).
     """
 
+    separate_device = False  # on the target's device: drafting beside the target only takes its compute
+
     def __init__(self, model: DFlashDraftModel, embed_tokens: nn.Module, lm_head: nn.Module,
                  attention: str | AttentionBackend = "auto") -> None:
         self.model = model

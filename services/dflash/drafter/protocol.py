@@ -114,6 +114,9 @@ class Drafter(Protocol):
 
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
+    separate_device: bool
+    """True when drafting runs on devices of its own (remote replicas): the engine then drafts beside
+    verification instead of before it (draft_pipeline.py). Read with getattr, False when absent."""
 
     def draft_batch(self, requests: list[DraftRequest]) -> list[Draft]:
         """Draft every request's block (one drafter forward per replica); results in request order.

@@ -34,6 +34,7 @@ class StepTelemetry:
             "dflash.step.sessions": len(report.rounds), "dflash.step.tokens": report.num_tokens,
             "dflash.step.prefill_tokens": report.prefill_tokens, "dflash.step.draft_ms": report.draft_ms,
             "dflash.step.verify_ms": report.verify_ms,
+            "dflash.step.request_ids": [gen.request_id for gen, _ in report.rounds],
         })
         link = [trace.Link(step.get_span_context())] if step.get_span_context().is_valid else []
         tracer = tracing.tracer()

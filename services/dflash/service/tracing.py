@@ -7,6 +7,9 @@ Spans (all in one trace):
       gen_ai.usage.output_tokens, plus dflash.tau and dflash.rounds.
   `dflash.round` (verifier)  dflash.round.index, draft_tokens, accepted_tokens, draft_ms, verify_ms,
       dflash.drafter.replica, dflash.drafter.fallback (true when the round ran target-only).
+  `dflash.drafts` (verifier, CLIENT)  one DraftBatch round for many sessions: dflash.drafts.sessions,
+      dflash.drafts.session_ids, dflash.drafter.replicas, dflash.drafter.fallback; a child of the
+      `dflash.step` that launched it (drafted beside verification, it runs inside that step's forward).
   `dflash.draft` (drafter replica, SERVER)  dflash.session_id, dflash.drafter.rebuilt, context rows.
 Context crosses Ray handle calls as a W3C carrier dict and gRPC calls as metadata (`traceparent`).
 
