@@ -264,7 +264,13 @@ def test_every_cancel_reaches_the_engine(service, model_dirs, store):  # noqa: F
         return ray_metric("dflash_requests_total", {"status": status}) or 0.0
 
     wait_until(lambda: counted("finished"), 60, "Ray to export the verifier's metrics", interval_s=1.0)
-    before = {status: counted(status) for status in ("finished", "cancelled", "failed")}
+
+    def settled():  # the same counts over more than one report interval: nothing is still on its way
+        first = {status: counted(status) for status in ("finished", "cancelled", "failed")}
+        time.sleep(6)
+        return first if first == {status: counted(status) for status in first} else None
+
+    before = wait_until(settled, 60, "the request counts to settle", interval_s=0)
     sessions_before = session_ids(store)
     rng = random.Random(34)
     points = [rng.randint(0, 6) for _ in range(streams)]

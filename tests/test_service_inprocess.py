@@ -44,7 +44,9 @@ def config_for(model_dirs, redis_url, **kw):
     target, drafter = model_dirs
     tree = {"mode": "disaggregated", "model": {"target": str(target), "drafter": str(drafter), "device": "cpu",
             "dtype": "float32"}, "redis": {"url": redis_url},
-            "drafter_net": {"retry_after_s": 0.2, "timeout_s": 5.0, "context_window": 0}, "metrics": "prometheus",
+            # min_deadline_s = timeout_s: tests that compare round stats must not see a late round on a busy machine
+            "drafter_net": {"retry_after_s": 0.2, "timeout_s": 5.0, "min_deadline_s": 5.0, "context_window": 0},
+            "metrics": "prometheus",
             # every proposal verified (drafting is observable), drafted beside verification (draft_pipeline.py)
             "scheduler": {"verify_policy": "full", "pipeline_drafts": "on"}}
     for key, value in kw.items():

@@ -418,6 +418,12 @@ class SpeculativeEngine:
             drafts[i] = d if d.tokens.shape[0] <= keep else Draft(d.tokens[:keep], d.probs[:keep], d.replica)
         return drafts
 
+    def _launch(self, decodes: list[Generation], which: list[int]) -> None:
+        """Start drafting these sessions beside what follows (their context is handed over now)."""
+        if which:
+            gens = [decodes[i] for i in which]
+            self.pipeline.launch([g.request_id for g in gens], [self._draft_request(g) for g in gens])
+
     def _draft_request(self, g: Generation) -> DraftRequest:
         """A session's next draft call, with the context the drafter has not seen (handed over now)."""
         room = self.target.max_positions - 1 - g.position
@@ -441,12 +447,14 @@ class SpeculativeEngine:
         ready = [i for i in drafting if pipe.holds(decodes[i].request_id)]
         fresh = [i for i in drafting if not pipe.holds(decodes[i].request_id)]
         launch = fresh[:cohort_split(len(fresh), len(ready))] if overlap else fresh
-        if launch:
-            pipe.launch([decodes[i].request_id for i in launch], [self._draft_request(decodes[i]) for i in launch])
-        if launch and (not overlap or len(launch) == len(decodes) and not prefills):
+        self._launch(decodes, launch)
+        if launch and (not overlap or not ready and len(drafting) == len(decodes) and not prefills):
+            # Nothing else to verify now: verify what was just drafted, while the sessions kept back (if
+            # any) draft beside it. Serial (no overlap, a lone stream) when none were kept back.
             pipe.collect()
-            ready, launch = ready + launch, []
-        verify = [i for i in range(len(decodes)) if i not in set(launch) and (sizes[i] <= 1 or i in set(ready))]
+            ready, launch = ready + launch, [i for i in fresh if i not in set(launch)]
+            self._launch(decodes, launch)
+        verify = [i for i in range(len(decodes)) if sizes[i] <= 1 or i in set(ready)]
         held = [pipe.take(decodes[i].request_id, sizes[i] - 1) for i in verify]
         return ([decodes[i] for i in verify], [h.draft if h else Draft.none() for h in held],
                 [h.ms if h else 0.0 for h in held])

@@ -113,8 +113,9 @@ class DrafterNetConfig:
     retry_after_s: float = 2.0  # a failed replica is skipped this long before it is tried again
     # A DraftBatch call waits at most max(this, 8x the replica's median recent answer) (and timeout_s):
     # then the replica counts as failed, and its sessions decode plainly for that round (issue: a hung
-    # replica stalling every session for timeout_s).
-    min_deadline_s: float = 0.5
+    # replica stalling every session for timeout_s). Not lower than a busy machine's pauses: a late
+    # answer only costs a round's drafts, but a round that decodes plainly.
+    min_deadline_s: float = 1.0
     chunk_bytes: PositiveInt = 1 << 20  # context tensors travel in slices of this size
     max_sessions: PositiveInt = 256  # hot draft caches per replica (least recently used evicted)
     workers: PositiveInt = 8  # gRPC server threads per replica: Draft calls in flight at most (more wait, uncounted)
