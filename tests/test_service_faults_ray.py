@@ -243,6 +243,9 @@ def drafter_hot_sessions(app_name: str) -> float:
     return handle.record_autoscaling_stats.remote().result(timeout_s=30)[HOT_SESSIONS]
 
 
+REPORT_S = 12  # longer than Ray's metrics report interval (metrics_report_interval_ms, 10 s)
+
+
 def session_ids(store) -> set[str]:
     """Every session the store holds (the hashes, not their :out token strings)."""
     prefix = f"{store.prefix}:s:"
@@ -265,9 +268,9 @@ def test_every_cancel_reaches_the_engine(service, model_dirs, store):  # noqa: F
 
     wait_until(lambda: counted("finished"), 60, "Ray to export the verifier's metrics", interval_s=1.0)
 
-    def settled():  # the same counts over more than one report interval: nothing is still on its way
+    def settled():  # the same counts over more than one report interval (Ray's is 10 s): nothing on its way
         first = {status: counted(status) for status in ("finished", "cancelled", "failed")}
-        time.sleep(6)
+        time.sleep(REPORT_S)
         return first if first == {status: counted(status) for status in first} else None
 
     before = wait_until(settled, 60, "the request counts to settle", interval_s=0)
@@ -309,7 +312,7 @@ def test_every_cancel_reaches_the_engine(service, model_dirs, store):  # noqa: F
     assert all(len(r.output_ids) < n for r in records)
     wait_until(lambda: counted("cancelled") - before["cancelled"] >= len(opened), 60,
                f"{len(opened)} more cancelled requests in dflash_requests_total", interval_s=1.0)
-    time.sleep(6)  # one more report interval: nothing else is counted late
+    time.sleep(REPORT_S)  # one more report interval: nothing else is counted late
     assert counted("cancelled") - before["cancelled"] == len(opened)
     assert counted("finished") == before["finished"] and counted("failed") == before["failed"]
     wait_until(lambda: ray_metric("dflash_running_sessions") == 0, 60, "the running batch to be empty", 1.0)
