@@ -1,6 +1,7 @@
-"""Client errors through real Ray Serve (its gRPC proxy, the ingress and verifier replicas, a real
-redis-server the launcher starts): the client gets the exact status and details, and neither the
-ingress replica's log nor the proxy's holds a traceback for them (was: ~3 tracebacks per rejection)."""
+"""Client errors through real Ray Serve (its gRPC proxy, the verifier replica answering the public API
+or a separate ingress replica relaying it, a real redis-server the launcher starts): the client gets the
+exact status and details, and neither the log of the replica that answered nor the proxy's holds a
+traceback for them (was: ~3 tracebacks per rejection)."""
 
 import tempfile
 from pathlib import Path
@@ -19,13 +20,14 @@ TOKEN = "s3cret-token"
 ACTOR = {"num_cpus": 0.1}
 
 
-@pytest.fixture(scope="module")
-def service(model_dirs):  # noqa: F811
+@pytest.fixture(scope="module", params=["verifier", "separate"])
+def service(request, model_dirs):  # noqa: F811
     from dflash.service.launcher import start_local
 
     target, drafter = model_dirs
     config = ServiceConfig.from_dict({
-        "mode": "colocated", "grpc_port": free_port(), "torch_threads": 1, "auth_token": TOKEN,
+        "mode": "colocated", "ingress_placement": request.param,
+        "grpc_port": free_port(), "torch_threads": 1, "auth_token": TOKEN,
         "trace_dir": tempfile.mkdtemp(prefix="dflash-spans-"),
         "model": {"target": str(target), "drafter": str(drafter), "device": "cpu", "dtype": "float32", "name": "tiny"},
         "ingress": {"ray_actor_options": ACTOR}, "verifier": {"ray_actor_options": ACTOR},
@@ -61,7 +63,8 @@ def test_client_errors_keep_their_status_and_log_one_line_without_a_traceback(se
 
     # Serve writes each replica's and each proxy's records to its own file under the session's logs.
     logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
-    ingress = "".join(p.read_text(errors="replace") for p in logs.glob("replica_*ingress*.log"))
+    answered = "ingress" if service.config.ingress_placement == "separate" else "verifier"
+    ingress = "".join(p.read_text(errors="replace") for p in logs.glob(f"replica_*{answered}*.log"))
     proxy = "".join(p.read_text(errors="replace") for p in logs.glob("proxy_*.log"))
     assert "INVALID_ARGUMENT: max_new_tokens: must be between 1 and 200" in ingress
     assert "UNAUTHENTICATED: authorization" in ingress

@@ -267,9 +267,12 @@ def test_service_config_builds_the_deployment_graph(variant):
     (app,) = config["applications"]
     service = ServiceConfig.from_dict(app["args"])
     built = build_application(app)
-    expected = {"ingress", "verifier"} | ({"drafter"} if service.mode == "disaggregated" else set())
+    separate = service.ingress_placement == "separate"
+    assert service.ingress_placement == value(variant, "ingress.placement")
+    expected = {"verifier"} | ({"ingress"} if separate else set()) | (
+        {"drafter"} if service.mode == "disaggregated" else set())
     assert {d.name for d in built.deployments} == expected
-    assert built.ingress_deployment_name == "ingress"
+    assert built.ingress_deployment_name == ("ingress" if separate else "verifier")
     assert config["grpc_options"]["port"] == service.grpc_port
 
     # Each group offers one custom resource; only its own deployment asks for it, and every replica Serve
@@ -297,7 +300,10 @@ def test_autoscaling_configs_are_rays_own(variant):
     from ray.serve.config import AutoscalingConfig
 
     overrides = {d["name"]: d for d in serve_config(variant)["applications"][0]["deployments"]}
+    assert ("ingress" in overrides) == (value(variant, "ingress.placement") == "separate")
     for name in ("ingress", "verifier", "drafter"):
+        if name not in overrides:
+            continue
         raw = overrides[name]["autoscaling_config"]
         assert set(raw) <= set(AutoscalingConfig.model_fields), f"{name}: {sorted(raw)}"
         auto = AutoscalingConfig.model_validate(raw)
@@ -484,7 +490,11 @@ def test_the_head_hosts_the_ingress_and_nothing_else(variant):
     busy and stop Ray's autoscaler from removing it."""
     head = groups(variant)["head"]
     assert head["rayStartParams"]["num-cpus"] == "0"
-    ingress = deployed(serve_config(variant)["applications"][0])["ingress"].replica_config.ray_actor_options
+    replicas = deployed(serve_config(variant)["applications"][0])
+    if value(variant, "ingress.placement") == "verifier":  # the verifiers answer: the head hosts no replica
+        assert "ingress" not in replicas
+        return
+    ingress = replicas["ingress"].replica_config.ray_actor_options
     assert ingress.get("num_cpus") == 0 and ingress.get("num_gpus", 0) == 0
     assert set(ingress["resources"]) == set(ray_resources(head)) == {value(variant, "ingress.rayResource")}
     assert ray_resources(head)[value(variant, "ingress.rayResource")] == value(variant, "head.maxIngressReplicas")

@@ -31,7 +31,8 @@ PORT = free_port()
 def config_tree(model_dirs, redis_url, mode="colocated", **extra):  # noqa: F811
     target, drafter = model_dirs
     tree = {
-        "mode": mode, "grpc_port": PORT, "torch_threads": 1, "auth_token": TOKEN,
+        # The ingress as a deployment of its own: its loss (below) is one of the faults.
+        "mode": mode, "ingress_placement": "separate", "grpc_port": PORT, "torch_threads": 1, "auth_token": TOKEN,
         "trace_dir": tempfile.mkdtemp(prefix="dflash-spans-"),
         "model": {"target": str(target), "drafter": str(drafter), "device": "cpu", "dtype": "float32", "name": "tiny"},
         "redis": {"url": redis_url},

@@ -60,7 +60,7 @@ own request counts. The ingress asks for no CPU: the head offers none (only its 
 {{- $sched := $v.verifier.scheduler }}
 {{- $scheduler := dict "max_running" (int $sched.maxRunningSessions) "max_step_tokens" (int $sched.maxStepTokens) "max_queued" (int $sched.maxQueuedSessions) "cache_tokens" (int $sched.cacheTokens) "verify_policy" $sched.verifyPolicy "stream_interval_ms" $sched.streamIntervalMs }}
 {{- $limits := dict "max_new_tokens" (int $v.limits.maxNewTokens) "max_request_bytes" (int $v.limits.maxRequestBytes) "max_stop_strings" (int $v.limits.maxStopStrings) "max_prompt_chars" (int $v.limits.maxPromptChars) }}
-{{- $args := dict "mode" $v.mode "app_name" $v.appName "grpc_host" "0.0.0.0" "grpc_port" (int $v.grpc.port) "model" $model "redis" $redis }}
+{{- $args := dict "mode" $v.mode "ingress_placement" $v.ingress.placement "app_name" $v.appName "grpc_host" "0.0.0.0" "grpc_port" (int $v.grpc.port) "model" $model "redis" $redis }}
 {{- $_ := set $args "drafter_net" $net }}
 {{- $_ := set $args "limits" $limits }}
 {{- $_ := set $args "scheduler" $scheduler }}
@@ -103,7 +103,9 @@ gRPC serve Service would carry it); Serve applies http_options only when it star
 {{- $v := .Values }}
 {{- $grpc := include "dflash.grpcOptions" . | fromJson }}
 {{- $deployments := list }}
+{{- if eq $v.ingress.placement "separate" }}
 {{- $deployments = append $deployments (include "dflash.deploymentOverride" (dict "name" "ingress" "v" $v.ingress "gpus" false "resource" $v.ingress.rayResource "drafter" false) | fromJson) }}
+{{- end }}
 {{- $deployments = append $deployments (include "dflash.deploymentOverride" (dict "name" "verifier" "v" $v.verifier "gpus" true "resource" $v.verifier.rayResource "drafter" false) | fromJson) }}
 {{- if eq $v.mode "disaggregated" }}
 {{- $deployments = append $deployments (include "dflash.deploymentOverride" (dict "name" "drafter" "v" $v.drafter "gpus" true "resource" $v.drafter.rayResource "drafter" true) | fromJson) }}

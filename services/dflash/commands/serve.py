@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--mode", choices=("colocated", "disaggregated"),
                    help="drafter inside the verifier, or separate replicas")
+    p.add_argument("--ingress", choices=("verifier", "separate"), dest="ingress_placement",
+                   help="who answers the public APIs: the verifier replicas (default: one hop fewer per chunk) "
+                        "or an ingress deployment of its own")
     p.add_argument("--host", help="address the public gRPC port listens on (default 127.0.0.1; 0.0.0.0: every "
                    "interface)")
     p.add_argument("--port", type=int, help="public gRPC port (default 9000)")
@@ -58,7 +61,8 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
 
     return load_config(args.config or os.environ.get("DFLASH_CONFIG"), overrides={
         "model.target": args.target, "model.drafter": args.drafter, "model.device": args.device,
-        "mode": args.mode, "grpc_host": args.host, "grpc_port": args.port, "redis.url": args.redis_url,
+        "mode": args.mode, "ingress_placement": args.ingress_placement,
+        "grpc_host": args.host, "grpc_port": args.port, "redis.url": args.redis_url,
         "openai.enabled": args.openai, "openai.host": args.openai_host, "openai.port": args.openai_port,
         "drafter.num_replicas": args.drafter_replicas, "tls.cert_file": args.tls_cert,
         "tls.key_file": args.tls_key, "tls.client_ca_file": args.tls_client_ca,

@@ -1,12 +1,14 @@
-"""The Ray Serve application: gRPC ingress -> verifier deployment -> drafter deployment (disaggregated).
+"""The Ray Serve application: [ingress ->] verifier deployment [-> drafter deployment (disaggregated)].
 
 `build(args)` is the application builder the Helm chart's serveConfigV2 points at
 (`import_path: dflash.service.app:build`, `args:` = the ServiceConfig tree). The public gRPC port is
-Ray Serve's gRPC proxy, started with `grpc_options()`; the ingress deployment implements
+Ray Serve's gRPC proxy, started with `grpc_options()`; the application's ingress implements
 dflash.v1.Generation, grpc.health.v1.Health (open: probes carry no token) and server reflection
-(behind the token when auth is on), registered by servicers.py so that undecodable bytes reach the
-ingress and get INVALID_ARGUMENT. Drafter replicas serve the internal Drafter API on their own ports,
-behind the shared drafter_net token, and advertise them in Redis.
+(behind the token when auth is on), registered by servicers.py so that undecodable bytes reach it and
+get INVALID_ARGUMENT. That ingress is the verifier deployment itself (`ingress_placement: verifier`,
+the default: the proxy streams straight from the replica that decodes) or a deployment of its own
+that relays the verifier's stream (`separate`). Drafter replicas serve the internal Drafter API on
+their own ports, behind the shared drafter_net token, and advertise them in Redis.
 """
 
 from __future__ import annotations
@@ -58,17 +60,14 @@ def _setup(config: ServiceConfig, service: str) -> ServiceMetrics:
     return ServiceMetrics(config.metrics)
 
 
-@serve.deployment(name="ingress")
-class IngressDeployment:
-    """dflash.v1.Generation and grpc.health.v1.Health on Ray Serve's gRPC proxy. No torch here."""
+class PublicAPI:
+    """dflash.v1.Generation, grpc.health.v1.Health and reflection, as Serve's gRPC proxy calls them: the
+    methods an application's ingress deployment has. A subclass sets `config`, `ingress` (the checks)
+    and `health`, and defines `_open_stream` (where a checked request's chunks come from)."""
 
-    def __init__(self, verifier: DeploymentHandle, config: dict) -> None:
-        self.config = ServiceConfig.for_replica(config)
-        self.ingress = Ingress(self.config, _setup(self.config, "dflash-ingress"))
-        self.verifier = verifier
-        self.store = _store(self.config)
-        self.consumer = Consumer.here()
-        self.health = ServingCheck(self.store, self._ping_verifier)
+    config: ServiceConfig
+    ingress: Ingress
+    health: ServingCheck
 
     async def Generate(self, request: generate_pb2.GenerateRequest | MalformedMessage,
                        grpc_context: RayServegRPCContext) -> AsyncIterator[generate_pb2.GenerateChunk]:
@@ -90,6 +89,41 @@ class IngressDeployment:
             _set_status(grpc_context, exc)
             raise
 
+    def _open_stream(self, verify: VerifyRequest,
+                     carrier: dict[str, str]) -> AsyncIterator[generate_pb2.GenerateChunk | StreamError]:
+        raise NotImplementedError
+
+    async def Check(self, request: health_pb2.HealthCheckRequest | MalformedMessage,
+                    grpc_context: RayServegRPCContext) -> health_pb2.HealthCheckResponse:
+        from grpc_health.v1 import health_pb2
+
+        try:
+            check_decoded(request)
+        except Rejected as exc:
+            _set_status(grpc_context, exc)
+            raise
+        serving = await self.health.serving()  # Redis answers and a verifier replica holds a live lease
+        return health_pb2.HealthCheckResponse(
+            status=health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest | MalformedMessage,
+                    grpc_context: RayServegRPCContext) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        yield await self.Check(request, grpc_context)
+
+
+@serve.deployment(name="ingress")
+class IngressDeployment(PublicAPI):
+    """The public APIs in a deployment of their own (`ingress_placement: separate`), relaying the
+    verifier's stream. No torch here."""
+
+    def __init__(self, verifier: DeploymentHandle, config: dict) -> None:
+        self.config = ServiceConfig.for_replica(config)
+        self.ingress = Ingress(self.config, _setup(self.config, "dflash-ingress"))
+        self.verifier = verifier
+        self.store = _store(self.config)
+        self.consumer = Consumer.here()
+        self.health = ServingCheck(self.store, self._ping_verifier)
+
     async def _open_stream(self, verify: VerifyRequest,
                            carrier: dict[str, str]) -> AsyncIterator[generate_pb2.GenerateChunk | StreamError]:
         # The verifier watches this replica (consumers.py): should it die, the stream stops there too.
@@ -108,42 +142,30 @@ class IngressDeployment:
             if not ended:  # the client went away, or an error: the verifier's stream stops now, not at its end
                 response.cancel()
 
-    async def Check(self, request: health_pb2.HealthCheckRequest | MalformedMessage,
-                    grpc_context: RayServegRPCContext) -> health_pb2.HealthCheckResponse:
-        from grpc_health.v1 import health_pb2
-
-        try:
-            check_decoded(request)
-        except Rejected as exc:
-            _set_status(grpc_context, exc)
-            raise
-        serving = await self.health.serving()  # Redis answers and a verifier replica holds a live lease
-        return health_pb2.HealthCheckResponse(
-            status=health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING)
-
     async def _ping_verifier(self) -> bool:
         return await self.verifier.ready.remote()
 
-    async def Watch(self, request: health_pb2.HealthCheckRequest | MalformedMessage,
-                    grpc_context: RayServegRPCContext) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        yield await self.Check(request, grpc_context)
-
 
 @serve.deployment(name="verifier")
-class VerifierDeployment:
-    """Owns the target and its batching engine: every Generate stream joins the same step loop."""
+class VerifierDeployment(PublicAPI):
+    """Owns the target and its batching engine: every Generate stream joins the same step loop. With
+    `ingress_placement: verifier` it is the application's ingress too: the proxy calls `Generate`,
+    checked here and streamed from the engine on this replica's event loop; otherwise the ingress
+    deployment calls `stream`."""
 
     def __init__(self, config: dict, drafters: DeploymentHandle | None = None) -> None:
         from .parts import build_verifier_engine, set_threads
         from .verifier import Verifier
 
-        cfg = ServiceConfig.for_replica(config)
+        cfg = self.config = ServiceConfig.for_replica(config)
         set_threads(cfg)
         metrics = _setup(cfg, "dflash-verifier")
         store = _store(cfg)
         engine = build_verifier_engine(cfg, store, metrics)
         engine.start_loop()  # one thread steps all streams; they are coroutines on this replica's loop
         self.verifier = Verifier(engine, store, cfg.model_name, metrics)
+        self.ingress = Ingress(cfg, metrics)
+        self.health = ServingCheck(store, self._ping_self)
         self.drafters = drafters  # holds the drafter deployment in the application graph
         self.consumers = ConsumerWatch()
         replica = ray.get_runtime_context().get_actor_id() or "verifier"
@@ -164,6 +186,13 @@ class VerifierDeployment:
         with self.consumers.track(consumer):
             async for item in self.verifier.stream_async(verify, carrier):
                 yield item
+
+    def _open_stream(self, verify: VerifyRequest,
+                     carrier: dict[str, str]) -> AsyncIterator[generate_pb2.GenerateChunk | StreamError]:
+        return self.verifier.stream_async(verify, carrier)  # Serve cancels it when the proxy's call ends
+
+    async def _ping_self(self) -> bool:
+        return True
 
 
 @serve.deployment(name="drafter")
@@ -209,6 +238,11 @@ def build(args: dict | None = None) -> Application:
     drafters = None
     if config.mode == "disaggregated":
         drafters = DrafterDeployment.options(**config.serve_options("drafter")).bind(tree)
+    if config.ingress_placement == "verifier":
+        verifier = VerifierDeployment
+        if config.openai.enabled:  # plus the OpenAI API on Serve's HTTP proxy
+            from .openai_api import OpenAIVerifierDeployment as verifier
+        return verifier.options(**config.serve_options("verifier")).bind(tree, drafters)
     verifier = VerifierDeployment.options(**config.serve_options("verifier")).bind(tree, drafters)
     ingress = IngressDeployment
     if config.openai.enabled:  # the same ingress, plus the OpenAI API on Serve's HTTP proxy

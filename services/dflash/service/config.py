@@ -214,7 +214,12 @@ class ServiceConfig:
     reflection: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
-    # The ingress only relays streams; like the chart, let it hold as many as the verifier batches.
+    # Where the public APIs (dflash.v1.Generation, health, reflection, OpenAI) are answered: "verifier",
+    # by the verifier replicas themselves, so Serve's proxy streams straight from the replica that decodes
+    # (one Ray hop fewer per chunk, measured in docs/service.md); "separate", by an ingress deployment of
+    # its own (no torch: CPU-only nodes, scaled apart from the verifiers), which relays the verifier's stream.
+    ingress_placement: Literal["verifier", "separate"] = "verifier"
+    # The separate ingress only relays streams; like the chart, let it hold as many as the verifier batches.
     ingress: DeploymentConfig = field(default_factory=lambda: DeploymentConfig(ray_actor_options={"num_cpus": 0.1},
                                                                               max_ongoing_requests=64))
     # The verifier's scheduler batches its streams: Serve may hand it many at once.

@@ -28,7 +28,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from ..api.v1 import generate_pb2
-from .app import IngressDeployment
+from .app import IngressDeployment, VerifierDeployment
 from .ingress import Ingress, OpenStream, Rejected
 from .openai_chat import ChatTemplate, NoChatTemplate
 from .openai_models import ChatCompletionRequest, CompletionRequest, ResponseShape, unsupported_field
@@ -235,6 +235,20 @@ class OpenAIIngressDeployment(IngressDeployment.func_or_class):
 
     def __init__(self, verifier: DeploymentHandle, config: dict) -> None:
         super().__init__(verifier, config)
+        self.openai = OpenAIServer(self.ingress, self._open_stream, ChatTemplate.load(self.config.model.target))
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_app(self.openai)
+
+
+@serve.deployment(name="verifier")
+@serve.ingress()
+class OpenAIVerifierDeployment(VerifierDeployment.func_or_class):
+    """The verifier as the application's ingress (`ingress_placement: verifier`), plus the OpenAI API:
+    its streams come from this replica's engine, as its gRPC ones do."""
+
+    def __init__(self, config: dict, drafters: DeploymentHandle | None = None) -> None:
+        super().__init__(config, drafters)
         self.openai = OpenAIServer(self.ingress, self._open_stream, ChatTemplate.load(self.config.model.target))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
