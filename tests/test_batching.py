@@ -286,20 +286,38 @@ def drive(policy, steps, num_decoding, rate_of, clock):
 
 
 def test_the_measured_policy_goes_with_what_pays_and_switches_both_ways():
-    """Every arm is measured soon; then the best one runs, the others only in short, rare bursts; when
-    the costs change (drafting stops paying, then pays again) the policy follows within a few bursts."""
+    """Every arm is measured soon (plain needs no burst while drafting yields 3x a plain step: the
+    yardstick says what it is worth); then the best one runs, the others only in short, rare bursts;
+    when the costs change (drafting stops paying, then pays again) the policy follows within a few
+    bursts."""
     policy, clock = MeasuredPolicy(CostCurve.flat()), [0.0]
     drafting_pays = {"full": 3.0, "confident": 2.5, "plain": 1.0}
     arms = drive(policy, 200, 1, drafting_pays.__getitem__, clock)
-    assert set(arms[: FIRST_LOOK + 2 * BURST]) == set(ARMS)  # each measured soon after the start
-    assert arms[100:].count("full") >= 0.85 * 100
+    assert set(arms[: FIRST_LOOK + 2 * BURST]) == {"full", "confident"}  # each measured soon after the start
+    assert arms[100:].count("full") >= 0.85 * 100 and "plain" not in arms
     plain_pays = {"full": 0.6, "confident": 0.8, "plain": 1.0}
     arms = drive(policy, 400, 1, plain_pays.__getitem__, clock)
     assert arms[200:].count("plain") >= 0.85 * 200
     arms = drive(policy, 400, 1, drafting_pays.__getitem__, clock)
     assert arms[200:].count("full") >= 0.85 * 200
     best, ratios = policy.best(1)
-    assert best == "full" and ratios == pytest.approx({"confident": 2.5 / 3, "plain": 1 / 3})
+    assert best == "full" and ratios["confident"] == pytest.approx(2.5 / 3)
+
+
+def test_a_drafters_catch_up_does_not_keep_the_policy_on_plain():
+    """A drafting step after plain ones also runs the drafter over all the context they made (one slow
+    step per switch). Counted in a burst of three it would hide what drafting pays; it is left out, so
+    a stream that started on plain (hard text) goes back to drafting once its text turns predictable."""
+    policy, clock, last = MeasuredPolicy(CostCurve.flat(), arms=("full", "plain")), [0.0], ["plain"]
+
+    def rate(arm):  # the first drafting step after a plain one commits almost nothing
+        catch_up, last[0] = arm == "full" and last[0] == "plain", arm
+        return 0.1 if catch_up else {"full": 1.5, "plain": 1.0}[arm]
+
+    drive(policy, 300, 1, {"full": 0.5, "plain": 1.0}.__getitem__, clock)
+    assert policy.best(1)[0] == "plain"
+    arms = drive(policy, 600, 1, rate, clock)
+    assert policy.best(1)[0] == "full" and arms[300:].count("full") >= 0.85 * 300
 
 
 def test_pipelined_drafting_is_an_arm_taken_only_where_it_measures_better():

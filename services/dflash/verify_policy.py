@@ -11,7 +11,8 @@ per session per step period, the whole loop included: drafting, the forward, com
 period counted in plain steps of as many sessions as measured at start-up, so batch sizes within a
 bucket compare) and
 goes with the best, trying the others in short bursts on a schedule, rarer for the
-ones that lose by much; an explored arm is judged on its last two bursts, so a change in what pays
+ones that lose by much (plain gets no burst while the best arm yields well over the yardstick's plain
+step: its worth is known without one); an explored arm is judged on its last two bursts, so a change in what pays
 (another batch mix, other prompts, a busier machine) is followed within a few bursts, and the best
 changes only for an arm that beats it by MARGIN (a switch to drafting costs a drafter catch-up). A
 batch size not seen before starts from the best arm of the nearest one. The cost model proposes;
@@ -168,8 +169,11 @@ def _verify_lengths(best_first: Sequence[tuple[float, int]], num_sessions: int,
 ARMS = ("full", "confident", "plain")
 PIPED = "piped"  # an arm only for engines whose drafter runs apart (remote replicas)
 EXPLORE_EVERY = 32  # steps on the best arm between explorations of another (x2, x4 for one that loses by much)
+# A plain burst is skipped while the best arm yields this many times what the start-up yardstick says a
+# plain step does (a plain step is what the yardstick measured; under load it is slower, not faster).
+PLAIN_CLEAR = 1 + 2 * 0.10
 FIRST_LOOK = 8  # steps into a new batch size before its other arms are first tried
-BURST = 3  # steps per exploration
+BURST = 3  # measured steps per exploration (a drafting burst after plain steps runs one more: see _Bucket)
 BESIDE = 6  # the best arm's steps just before a burst, which the burst is held against
 KEEP = 2  # explorations of an arm averaged into its ratio to the best
 MARGIN = 0.10  # another arm replaces the best one when it measures this much better (switching costs)
@@ -193,7 +197,11 @@ class _Bucket:
 
     A burst of another arm is held against the best arm's steps just before it, not against an
     average over a long window: what a step yields drifts (contexts grow, text gets more or less
-    predictable, the machine gets busier), and only steps close in time compare."""
+    predictable, the machine gets busier), and only steps close in time compare. The first step of a
+    drafting burst after plain ones is not measured: its drafter catches up on all the context the
+    plain steps made, a cost paid once per switch (MARGIN stands for it), which counted in a burst of
+    three would keep drafting from ever winning back a stream it once lost (a lone stream whose text
+    turns predictable after a hard start)."""
 
     def __init__(self, best: str, arms: tuple[str, ...] = ARMS) -> None:
         self.arms = arms
@@ -204,6 +212,7 @@ class _Bucket:
         others = [a for a in arms if a != best]
         self.next_explore = {a: FIRST_LOOK + i * BURST for i, a in enumerate([*others, best])}
         self.burst: tuple[str, int] | None = None  # (arm, steps left to decide)
+        self.warmup = False  # the burst's next measured step is its drafter's catch-up: left out
         self.measured: list[tuple[float, float]] = []  # the burst's steps, as measured
 
     def ratio(self, arm: str) -> float | None:
@@ -213,6 +222,8 @@ class _Bucket:
     def measure(self, arm: str, value: float, ms: float) -> None:
         if arm == self.best and self.burst is None and not self.measured:
             self.beside.append((value, ms))
+        elif self.warmup:
+            self.warmup = False
         elif self.burst is not None or self.measured:
             self.measured.append((value, ms))
 
@@ -233,10 +244,9 @@ class _Bucket:
             self.best, self.beside = arm, deque(burst[-BESIDE:], maxlen=BESIDE)
 
 
-def _explore_gap(ratios: deque[float]) -> int:
-    """Steps on the best arm before this arm is explored again, from its last ratio to the best: soon
+def _explore_gap(last: float) -> int:
+    """Steps on the best arm before an arm is explored again, from its last ratio to the best: soon
     when it looked better (to confirm it), rarely when it lost by much."""
-    last = ratios[-1] if ratios else 1.0
     if last > 1 + MARGIN:
         return BESIDE
     return EXPLORE_EVERY * (1 if last > 0.95 else 2 if last > 0.8 else 4)
@@ -270,12 +280,19 @@ class MeasuredPolicy:
                 return Decision(arm, "exploring")
             bucket.burst = None
             bucket.judge(arm)  # its last step was measured as this step started
-            bucket.next_explore[arm] = bucket.steps + _explore_gap(bucket.ratios[arm])
+            last = bucket.ratios[arm][-1] if bucket.ratios[arm] else 1.0
+            bucket.next_explore[arm] = bucket.steps + _explore_gap(last)
         due = [a for a in bucket.arms if a != bucket.best and bucket.steps >= bucket.next_explore[a]]
         if not due or not bucket.beside:
             return Decision(bucket.best, "best")
         arm = min(due, key=bucket.next_explore.__getitem__)
-        bucket.burst, bucket.measured = (arm, BURST - 1), []
+        if arm == "plain" and _rate(bucket.beside) > PLAIN_CLEAR:
+            # The yardstick is a plain step: the best arm's rate says what plain would be worth (1 / rate)
+            # without a burst to measure it. Rescheduled as if it had lost by that much.
+            bucket.next_explore[arm] = bucket.steps + _explore_gap(1 / _rate(bucket.beside))
+            return Decision(bucket.best, "best")
+        catch_up = arm != "plain" and bucket.best == "plain"
+        bucket.burst, bucket.measured, bucket.warmup = (arm, BURST - 1 + catch_up), [], catch_up
         return Decision(arm, "exploring")
 
     def verify_lengths(self, decision: Decision, probs: Sequence[torch.Tensor], base_tokens: int,
