@@ -168,7 +168,7 @@ def _verify_lengths(best_first: Sequence[tuple[float, int]], num_sessions: int,
 
 ARMS = ("full", "confident", "plain")
 PIPED = "piped"  # an arm only for engines whose drafter runs apart (remote replicas)
-EXPLORE_EVERY = 32  # steps on the best arm between explorations of another (x2, x4 for one that loses by much)
+EXPLORE_EVERY = 32  # steps on the best arm between explorations of another (x2, x4 after repeated losses)
 # A plain burst is skipped while the best arm yields this many times what the start-up yardstick says a
 # plain step does (a plain step is what the yardstick measured; under load it is slower, not faster).
 PLAIN_CLEAR = 1 + 2 * 0.10
@@ -209,6 +209,7 @@ class _Bucket:
         self.best = best
         self.beside: deque[tuple[float, float]] = deque(maxlen=BESIDE)  # (tokens per session * plain ms, ms)
         self.ratios: dict[str, deque[float]] = {a: deque(maxlen=KEEP) for a in arms}
+        self.losses = dict.fromkeys(arms, 0)  # explorations in a row that lost to the best
         others = [a for a in arms if a != best]
         self.next_explore = {a: FIRST_LOOK + i * BURST for i, a in enumerate([*others, best])}
         self.burst: tuple[str, int] | None = None  # (arm, steps left to decide)
@@ -244,12 +245,14 @@ class _Bucket:
             self.best, self.beside = arm, deque(burst[-BESIDE:], maxlen=BESIDE)
 
 
-def _explore_gap(last: float) -> int:
-    """Steps on the best arm before an arm is explored again, from its last ratio to the best: soon
-    when it looked better (to confirm it), rarely when it lost by much."""
+def _explore_gap(last: float, losses: int) -> int:
+    """Steps on the best arm before an arm is explored again, from its last ratio to the best and how
+    many explorations in a row it lost: soon when it looked better (to confirm it), backing off while
+    it keeps losing. One loss is not many: a lone stream's text can be hard for its first tens of
+    tokens and predictable after them."""
     if last > 1 + MARGIN:
         return BESIDE
-    return EXPLORE_EVERY * (1 if last > 0.95 else 2 if last > 0.8 else 4)
+    return EXPLORE_EVERY * min(1 << max(losses - 1, 0), 4)
 
 
 def _rate(steps: Sequence[tuple[float, float]]) -> float:
@@ -281,15 +284,16 @@ class MeasuredPolicy:
             bucket.burst = None
             bucket.judge(arm)  # its last step was measured as this step started
             last = bucket.ratios[arm][-1] if bucket.ratios[arm] else 1.0
-            bucket.next_explore[arm] = bucket.steps + _explore_gap(last)
+            bucket.losses[arm] = bucket.losses[arm] + 1 if last <= 0.95 else 0
+            bucket.next_explore[arm] = bucket.steps + _explore_gap(last, bucket.losses[arm])
         due = [a for a in bucket.arms if a != bucket.best and bucket.steps >= bucket.next_explore[a]]
         if not due or not bucket.beside:
             return Decision(bucket.best, "best")
         arm = min(due, key=bucket.next_explore.__getitem__)
         if arm == "plain" and _rate(bucket.beside) > PLAIN_CLEAR:
             # The yardstick is a plain step: the best arm's rate says what plain would be worth (1 / rate)
-            # without a burst to measure it. Rescheduled as if it had lost by that much.
-            bucket.next_explore[arm] = bucket.steps + _explore_gap(1 / _rate(bucket.beside))
+            # without a burst to measure it; looked at again soon, as looking costs nothing.
+            bucket.next_explore[arm] = bucket.steps + BESIDE
             return Decision(bucket.best, "best")
         catch_up = arm != "plain" and bucket.best == "plain"
         bucket.burst, bucket.measured, bucket.warmup = (arm, BURST - 1 + catch_up), [], catch_up
