@@ -210,7 +210,6 @@ class _Bucket:
         self.beside: deque[tuple[float, float]] = deque(maxlen=BESIDE)  # (tokens per session * plain ms, ms)
         self.ratios: dict[str, deque[float]] = {a: deque(maxlen=KEEP) for a in arms}
         self.losses = dict.fromkeys(arms, 0)  # explorations in a row that lost to the best
-        self.stretch = dict.fromkeys(arms, 1.0)  # an arm's step time over the best's, at its last burst
         others = [a for a in arms if a != best]
         self.next_explore = {a: FIRST_LOOK + i * BURST for i, a in enumerate([*others, best])}
         self.burst: tuple[str, int] | None = None  # (arm, steps left to decide)
@@ -230,15 +229,20 @@ class _Bucket:
             self.measured.append((value, ms))
 
     def judge(self, arm: str) -> None:
-        """A burst of `arm` has been measured: its ratio to the best arm beside it; a switch when the
-        ratio, over the last explorations, beats the best by MARGIN."""
+        """A burst of `arm` has been measured: its ratio to the best arm beside it, when it is explored
+        next, and a switch when the ratio, over the last explorations, beats the best by MARGIN."""
         burst, self.measured = self.measured, []
-        if not burst or not self.beside:
-            return
-        self.stretch[arm] = _mean_ms(burst) / _mean_ms(self.beside) if _mean_ms(self.beside) else 1.0
-        ratio = _rate(burst) / _rate(self.beside) if _rate(self.beside) else 1.0
-        self.ratios[arm].append(ratio)
-        if self.ratio(arm) > 1 + MARGIN:
+        measured = bool(burst and self.beside)
+        stretch = 1.0  # the gap is time, not steps: see below
+        if measured:
+            self.ratios[arm].append(_rate(burst) / _rate(self.beside) if _rate(self.beside) else 1.0)
+            # A burst of drafting steps 5x as long as the best arm's plain ones waits 5x as many steps
+            # (counted in steps, exploring took a third of the time at 16 streams).
+            stretch = max(_mean_ms(burst) / _mean_ms(self.beside), 1.0) if _mean_ms(self.beside) else 1.0
+        last = self.ratios[arm][-1] if self.ratios[arm] else 1.0
+        self.losses[arm] = self.losses[arm] + 1 if last <= 0.95 else 0
+        self.next_explore[arm] = self.steps + round(_explore_gap(last, self.losses[arm]) * stretch)
+        if measured and self.ratio(arm) > 1 + MARGIN:
             switch = self.ratio(arm)
             for other in self.arms:  # ratios to the old best become ratios to the new one
                 self.ratios[other] = deque((r / switch for r in self.ratios[other]), maxlen=KEEP)
@@ -289,12 +293,6 @@ class MeasuredPolicy:
                 return Decision(arm, "exploring")
             bucket.burst = None
             bucket.judge(arm)  # its last step was measured as this step started
-            last = bucket.ratios[arm][-1] if bucket.ratios[arm] else 1.0
-            bucket.losses[arm] = bucket.losses[arm] + 1 if last <= 0.95 else 0
-            # The gap is time, not steps: a burst of drafting steps 5x as long as the best arm's plain
-            # ones waits 5x as many steps (counted in steps, exploring took a third of the time at 16 streams).
-            stretch = max(bucket.stretch[arm], 1.0)
-            bucket.next_explore[arm] = bucket.steps + round(_explore_gap(last, bucket.losses[arm]) * stretch)
         due = [a for a in bucket.arms if a != bucket.best and bucket.steps >= bucket.next_explore[a]]
         if not due or not bucket.beside:
             return Decision(bucket.best, "best")
