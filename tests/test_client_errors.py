@@ -165,3 +165,17 @@ def test_running_sessions_reads_zero_after_a_cancel_that_no_step_followed():
     time.sleep(0.05)
     assert engine.num_running == 0 and gauge(metrics, "dflash_running_sessions") == 0
 
+
+
+def test_the_client_summary_says_what_the_policy_did_with_each_round():
+    from dflash.commands.client import round_breakdown
+
+    def r(index, draft, committed, arm, reason):
+        return generate_pb2.RoundStats(index=index, draft_tokens=draft, committed=committed, policy_arm=arm,
+                                       policy_reason=reason)
+
+    rounds = [r(0, 0, 1, "", ""), r(1, 15, 4, "full", "best"), r(2, 15, 2, "full", "best"),
+              r(3, 0, 1, "plain", "exploring"), r(4, 0, 1, "plain", "best"), r(5, 0, 1, "plain", "best")]
+    assert round_breakdown(rounds) == " (drafted 2 at tau 3.00; 3 plain: measured faster 2, exploring 1)"
+    assert round_breakdown(rounds[:3]) == ""  # every decoding round drafted
+    assert round_breakdown([rounds[0], rounds[3]]) == ""  # none did: tau says it all

@@ -456,6 +456,15 @@ def test_secrets_and_per_pod_values_reach_the_service_config():
             assert config.redis.url and config.drafter_net.host == "$(POD_IP)"
 
 
+def test_every_ray_pod_starts_its_workers_at_the_chart_niceness():
+    """Ray reads RAY_worker_niceness when it starts a node; its default (15) would put the replicas below Ray's
+    own processes in the pod."""
+    for values, want in (({}, "0"), ({"workerNiceness": 5}, "5")):
+        for group in groups_of(one(objects(render(values)), "RayService")):
+            env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]}
+            assert env["RAY_worker_niceness"] == want, group.get("groupName", "head")
+
+
 # --- the shape the issue asks for --------------------------------------------------------------------
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -1310,6 +1319,7 @@ BAD_VALUES = [
     ({"openai": {"serviceType": "ExternalName"}}, "/openai/serviceType"),
     ({"openai": {"port": 0}}, "/openai/port"),
     ({"limits": {"maxPromptChars": 0}}, "/limits/maxPromptChars"),
+    ({"workerNiceness": 20}, "/workerNiceness"),
 ]
 
 

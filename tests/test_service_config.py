@@ -64,6 +64,7 @@ def test_a_wrong_type_names_the_key_path_and_its_source(tmp_path, source):
     ({"verifier": {"max_ongoing_requests": 0}}, "verifier.max_ongoing_requests: Input should be greater than 0"),
     ({"verifier": {"ray_actor_options": "{num_gpus"}}, "verifier.ray_actor_options: expected a mapping or its JSON"),
     ({"metrics": "statsd"}, "metrics: Input should be 'ray', 'prometheus' or 'none', got 'statsd'"),
+    ({"worker_niceness": 20}, "worker_niceness: 20 is not a niceness from 0 to 19"),
 ])
 def test_bad_values_and_unknown_keys_are_refused_by_path(tree, message):
     with pytest.raises(ConfigError) as raised:

@@ -201,6 +201,14 @@ def test_malformed_protobuf_is_invalid_argument(service, method, data):
     assert err.value.details().startswith("request: not a valid ")
 
 
+def test_replicas_run_at_the_configured_niceness(service):
+    """Ray's default worker niceness (15) would leave the replicas below Ray's own processes."""
+    import psutil
+
+    replicas = [p for p in psutil.process_iter(["cmdline"]) if "ServeReplica" in " ".join(p.info["cmdline"] or ())]
+    assert replicas and all(p.nice() == service.config.worker_niceness for p in replicas)
+
+
 def test_the_embedded_redis_has_a_password_no_command_line_shows(service):
     import psutil
     import redis

@@ -9,6 +9,9 @@ Ray container itself. Pass (dict "ctx" $ "role" "head|verifier|drafter").
   valueFrom:
     fieldRef:
       fieldPath: status.podIP
+# Ray starts its workers (the replicas) at this niceness; its default, 15, yields the pod's CPUs to Ray's own processes.
+- name: RAY_worker_niceness
+  value: {{ $v.workerNiceness | quote }}
 # The drafter's gRPC server listens on, and advertises, this pod's address.
 - name: DFLASH_DRAFTER_NET__HOST
   value: "$(POD_IP)"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
+from collections.abc import Sequence
 
 from ..errors import DFlashError
 
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("temperature", "top_p", "top_k", "seed", "block_size", "draft_confidence"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
-    final = None
+    final, rounds = None, []
     if bool(args.tls_cert) != bool(args.tls_key):
         raise DFlashError("--tls-cert and --tls-key: give both (the client certificate and its key) or neither")
     root = _read(args.tls_ca, "--tls-ca") if args.tls_ca else None
@@ -55,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
             for chunk in client.generate(**fields):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
+                rounds += chunk.rounds
                 if chunk.HasField("final"):
                     final = chunk.final
         except grpc.RpcError as exc:
@@ -62,8 +65,27 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     if final is not None:
         print(f"[{final.usage.completion_tokens} tokens, finish={final.finish_reason}] tau={final.tau:.2f} "
-              f"over {final.rounds} rounds | decode {final.decode_tokens_per_s:.1f} tok/s", file=sys.stderr)
+              f"over {final.rounds} rounds{round_breakdown(rounds)} | decode {final.decode_tokens_per_s:.1f} tok/s",
+              file=sys.stderr)
     return 0
+
+
+_WHY = {"best": "measured faster"}
+
+
+def round_breakdown(rounds: Sequence) -> str:
+    """What the verify policy did with a stream's decoding rounds (RoundStats messages), for its summary
+    line: " (drafted 30 at tau 3.10; 70 plain: measured faster 62, exploring 8)". Empty when every round
+    drafted, or none did."""
+    decoding = [r for r in rounds if r.index > 0]
+    drafted = [r for r in decoding if r.draft_tokens > 0]
+    # A plain round's reason "best": the policy measured plain decoding faster at this batch size.
+    plain = Counter(_WHY.get(r.policy_reason, r.policy_reason or "plain") for r in decoding if r.draft_tokens == 0)
+    if not drafted or not plain:
+        return ""
+    why = ", ".join(f"{reason} {n}" for reason, n in plain.most_common())
+    tau = sum(r.committed for r in drafted) / len(drafted)
+    return f" (drafted {len(drafted)} at tau {tau:.2f}; {sum(plain.values())} plain: {why})"
 
 
 def _read(path: str, flag: str) -> bytes:

@@ -50,6 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify-policy", choices=("adaptive", "full"),
                    help="adaptive: verify what pays at this batch on this device (default); full: every proposal")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for local Ray (default: all)")
+    p.add_argument("--worker-niceness", type=int,
+                   help="niceness of the Ray workers it starts, replicas included (default 0; Ray's own is 15)")
     p.set_defaults(handler=run)
 
 
@@ -67,6 +69,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         "drafter.num_replicas": args.drafter_replicas, "tls.cert_file": args.tls_cert,
         "tls.key_file": args.tls_key, "tls.client_ca_file": args.tls_client_ca,
         "scheduler.stream_interval_ms": args.stream_interval_ms, "scheduler.verify_policy": args.verify_policy,
+        "worker_niceness": args.worker_niceness,
     })
 
 

@@ -231,6 +231,11 @@ class ServiceConfig:
     tls: TlsConfig = field(default_factory=TlsConfig)
     openai: OpenAIConfig = field(default_factory=OpenAIConfig)
     torch_threads: int = 0  # per replica; 0 leaves torch's default
+    # The niceness of the Ray workers `dflash serve` starts (its replicas and Serve's proxy). Ray's own is 15,
+    # below its system processes (dashboard agent, log monitor, GCS): a replica that is the node's work then
+    # yields its cores to them (docs/service.md). On a cluster the Ray pods' RAY_worker_niceness sets it
+    # (Helm `workerNiceness`); this field is read only where `dflash serve` starts Ray itself.
+    worker_niceness: int = 0
     # "ray" (exported by Ray's Prometheus endpoint), "prometheus" (own registry), "none"
     metrics: Literal["ray", "prometheus", "none"] = "ray"
     trace_dir: str = ""  # also write finished spans as JSON lines here, one file per process (debugging)
@@ -241,6 +246,9 @@ class ServiceConfig:
             if name == "drafter" and self.mode == "disaggregated" and auto and auto.min_replicas < 1:
                 raise ConfigError("drafter.autoscaling_config.min_replicas: must be >= 1; drafter replicas report "
                                   "their own load, so with none running nothing would scale them up")
+        if not 0 <= self.worker_niceness <= 19:
+            raise ConfigError(f"worker_niceness: {self.worker_niceness} is not a niceness from 0 to 19 (Ray's default "
+                              "is 15; 0 runs the replicas level with Ray's own processes)")
         if self.tls.enabled and self.tls.upstream_port and self.tls.upstream_port == self.grpc_port:
             raise ConfigError(f"tls.upstream_port: must differ from grpc_port ({self.grpc_port}), where TLS is served")
 

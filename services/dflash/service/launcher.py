@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import secrets
 import socket
 import tempfile
@@ -115,8 +116,11 @@ def start_local(config: ServiceConfig, num_cpus: int | None = None, timeout_s: f
     config, redis = resolve_redis(config)
     service = LocalService(config, redis)
     try:
+        # A Ray that is already running (RAY_ADDRESS) keeps the niceness it was started with.
+        niceness = {"worker_niceness": config.worker_niceness}
+        system = {} if os.environ.get("RAY_ADDRESS") else {"_system_config": niceness}
         ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False,
-                 runtime_env={"worker_process_setup_hook": grpc_proxy_bind_hook(proxy_host)})
+                 runtime_env={"worker_process_setup_hook": grpc_proxy_bind_hook(proxy_host)}, **system)
         serve.start(http_options=http_options(config), grpc_options=grpc_options(proxy))
         service.deploy(config, timeout_s)
         check_listens_only_on(proxy_host, proxy.grpc_port, ray.util.get_node_ip_address())
