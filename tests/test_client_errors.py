@@ -166,7 +166,6 @@ def test_running_sessions_reads_zero_after_a_cancel_that_no_step_followed():
     assert engine.num_running == 0 and gauge(metrics, "dflash_running_sessions") == 0
 
 
-
 def test_the_client_summary_says_what_the_policy_did_with_each_round():
     from dflash.commands.client import round_breakdown
 

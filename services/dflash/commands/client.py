@@ -70,9 +70,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-_WHY = {"best": "measured faster"}
-
-
 def round_breakdown(rounds: Sequence) -> str:
     """What the verify policy did with a stream's decoding rounds (RoundStats messages), for its summary
     line: " (drafted 30 at tau 3.10; 70 plain: measured faster 62, exploring 8)". Empty when every round
@@ -80,7 +77,8 @@ def round_breakdown(rounds: Sequence) -> str:
     decoding = [r for r in rounds if r.index > 0]
     drafted = [r for r in decoding if r.draft_tokens > 0]
     # A plain round's reason "best": the policy measured plain decoding faster at this batch size.
-    plain = Counter(_WHY.get(r.policy_reason, r.policy_reason or "plain") for r in decoding if r.draft_tokens == 0)
+    plain = Counter("measured faster" if r.policy_reason == "best" else r.policy_reason or "plain"
+                    for r in decoding if r.draft_tokens == 0)
     if not drafted or not plain:
         return ""
     why = ", ".join(f"{reason} {n}" for reason, n in plain.most_common())

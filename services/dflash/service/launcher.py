@@ -117,8 +117,8 @@ def start_local(config: ServiceConfig, num_cpus: int | None = None, timeout_s: f
     service = LocalService(config, redis)
     try:
         # A Ray that is already running (RAY_ADDRESS) keeps the niceness it was started with.
-        niceness = {"worker_niceness": config.worker_niceness}
-        system = {} if os.environ.get("RAY_ADDRESS") else {"_system_config": niceness}
+        system = {} if os.environ.get("RAY_ADDRESS") else {
+            "_system_config": {"worker_niceness": config.worker_niceness}}
         ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False,
                  runtime_env={"worker_process_setup_hook": grpc_proxy_bind_hook(proxy_host)}, **system)
         serve.start(http_options=http_options(config), grpc_options=grpc_options(proxy))
