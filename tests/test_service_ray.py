@@ -283,8 +283,14 @@ def test_drafter_replicas_refuse_calls_without_the_token(service):
 
     net = service.config.drafter_net
     assert len(net.token) >= 32
-    replicas = RedisSessionStore(service.config.redis.url).drafters()
-    assert len(replicas) == 2
+    store = RedisSessionStore(service.config.redis.url)
+
+    def both_live():
+        live = store.drafters()
+        return live if len(live) == 2 else None
+
+    # the previous test killed one replica: Ray's replacement advertises itself once it has started
+    replicas = wait_until(both_live, 180, "both drafter replicas to advertise themselves", interval_s=0.5)
     for address in replicas:
         with grpc.insecure_channel(address) as channel:
             stub = drafter_pb2_grpc.DrafterStub(channel)
