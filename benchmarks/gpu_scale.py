@@ -14,8 +14,18 @@ plain = B / t_target(B, 1) (the target without features). It also picks the best
 from the same measured curve under a geometric acceptance model fitted to tau. These are projections
 at the paper's tau with random weights, not measured throughput of a trained pair.
 
+From the same curve it projects drafting beside verification (draft_pipeline.py, remote drafters on
+their own device): the sessions split into two cohorts of B/2 that take turns, so each session gets a
+round every two steps of max(t_target(B/2, 16), t_draft(B/2)): pipelined DFlash = B * tau /
+(2 * max(...)). That is an upper bound (no transport, no contention between the two devices); it beats
+the serial step only where halving the batch about halves both costs.
+
+With `--target/--drafter` (or `--demo`, the built-in pair) the same costs are measured on a trained
+pair, on `--device`, and tau is measured on held-out prompts with every proposal verified.
+
     python benchmarks/gpu_scale.py --out benchmarks/gpu_scale_h200.json   # on the GPU (about 2 minutes)
     python benchmarks/gpu_scale.py --tiny                                  # the same code, tiny, on CPU
+    python benchmarks/gpu_scale.py --demo --batches 1,2,4,8,16            # the demo pair, one CPU thread
 """
 
 from __future__ import annotations
@@ -196,7 +206,8 @@ def measure_rounds(engine: SpeculativeEngine, baseline: SpeculativeEngine, conte
 
 @torch.inference_mode()
 def measure_batched(target: TargetModel, plain: TargetModel, drafter: LocalDrafter, context: int, features: int,
-                    new_context: int, batches: tuple[int, ...], clock: Clock, iters, warmup) -> dict:
+                    new_context: int, batches: tuple[int, ...], clock: Clock, iters, warmup,
+                    label: str = PROJECTION) -> dict:
     """Packed target forwards of B sessions x q tokens (features on), the plain target at q = 1, and the
     drafter's batched forward for B sessions at block 16; every session has its own `context` positions."""
     vocab, most, qmax = target.vocab_size, max(batches), max(BATCH_VERIFY)
@@ -237,7 +248,7 @@ def measure_batched(target: TargetModel, plain: TargetModel, drafter: LocalDraft
         reached[:b] = sub
     for s in drafts:
         drafter.release(s)
-    return {"label": PROJECTION, "context": context, "block_size": BLOCK, "new_context_per_draft": new_context,
+    return {"label": label, "context": context, "block_size": BLOCK, "new_context_per_draft": new_context,
             "batches": list(batches), "verify_tokens": list(BATCH_VERIFY), "iters": iters, "warmup": warmup,
             "target_ms": target_ms, "baseline_ms": baseline_ms, "draft_ms": draft_ms}
 
@@ -267,9 +278,21 @@ def interpolate(points: list[tuple[int, float]], x: int) -> float:
     raise ValueError(f"q = {x} is outside the measured {points[0][0]}..{points[-1][0]}")
 
 
-def project_batched(batched: dict, tau: float) -> dict:
-    """Aggregate tokens/s per batch, DFlash at tau (block 16) vs plain batched decoding, and the best verify
-    length per batch under the geometric model (times between measured q interpolated linearly)."""
+def pipelined_tokens_per_s(batched: dict, b: int, tau: float) -> float | None:
+    """DFlash tok/s of B sessions in two cohorts of B/2 taking turns (one verified while the other is
+    drafted on another device): B * tau / (2 * max(t_target(B/2, 16), t_draft(B/2))); None when B/2
+    was not measured."""
+    half = str(b // 2)
+    if b % 2 or half not in batched["draft_ms"]:
+        return None
+    step = max(batched["target_ms"][half][str(batched["block_size"])]["median"], batched["draft_ms"][half]["median"])
+    return b * tau / (2 * step / 1000)
+
+
+def project_batched(batched: dict, tau: float, label: str = PROJECTION, tau_source: str = GREEDY_TAU) -> dict:
+    """Aggregate tokens/s per batch, DFlash at tau (block 16) vs plain batched decoding, the two-cohort
+    pipelined bound, and the best verify length per batch under the geometric model (times between
+    measured q interpolated linearly)."""
     block = batched["block_size"]
     p = fit_acceptance(tau, block - 1)
     rows, best = [], []
@@ -278,8 +301,11 @@ def project_batched(batched: dict, tau: float) -> dict:
         t_block, t_draft = t_q[str(block)]["median"], batched["draft_ms"][str(b)]["median"]
         plain = b / (batched["baseline_ms"][str(b)]["median"] / 1000)
         dflash = b * tau / ((t_block + t_draft) / 1000)
+        piped = pipelined_tokens_per_s(batched, b, tau)
         rows.append({"batch": b, "baseline_tokens_per_s": round(plain, 1), "dflash_tokens_per_s": round(dflash, 1),
-                     "speedup": round(dflash / plain, 3)})
+                     "speedup": round(dflash / plain, 3),
+                     "pipelined_tokens_per_s": None if piped is None else round(piped, 1),
+                     "pipelined_over_serial": None if piped is None else round(piped / dflash, 3)})
         curve = partial(interpolate, sorted((int(q), v["median"]) for q, v in t_q.items()))
         options = [(plain, 1, 1.0)]  # q = 1: no draft, plain decoding
         for q in range(2, block + 1):
@@ -291,15 +317,18 @@ def project_batched(batched: dict, tau: float) -> dict:
     model = (f"geometric acceptance: each draft accepted with p = {p:.4f} given the ones before (fitted so that "
              f"{block - 1} drafts commit tau = {tau} tokens); target time at q between measured points "
              "interpolated linearly; q = 1 is plain decoding (no draft)")
-    return {"label": PROJECTION, "tau": tau, "tau_source": f"{GREEDY_TAU}, block {block}",
-            "formula": "DFlash tok/s = B * tau / (t_target(B, 16) + t_draft(B)); plain tok/s = B / t_target(B, 1)",
-            "rows": rows, "best_verify": {"label": f"{PROJECTION}; {model}", "acceptance_p": round(p, 4), "rows": best}}
+    return {"label": label, "tau": tau, "tau_source": f"{tau_source}, block {block}",
+            "formula": "DFlash tok/s = B * tau / (t_target(B, 16) + t_draft(B)); plain tok/s = B / t_target(B, 1); "
+                       "pipelined (two cohorts, drafter on its own device) = B * tau / (2 * max(t_target(B/2, 16), "
+                       "t_draft(B/2)))",
+            "rows": rows, "best_verify": {"label": f"{label}; {model}", "acceptance_p": round(p, 4), "rows": best}}
 
 
-def implied(costs: dict) -> dict:
-    """Speedups at the paper's tau, from full rounds and from the network costs alone; the goals."""
+def implied(costs: dict, taus: dict[str, tuple[float, float]] = PAPER_TAU) -> dict:
+    """Speedups at each (temperature, tau) of `taus` (the paper's by default), from full rounds and from
+    the network costs alone; the goals, at the first (greedy) tau."""
     res = {}
-    for label, (temperature, tau) in PAPER_TAU.items():
+    for label, (temperature, tau) in taus.items():
         t = f"t{temperature:g}"
         round_16, step = costs[f"round_16_{t}"]["median"], costs[f"target_step_{t}"]["median"]
         res[label] = {"tau": tau, "speedup_engine": round(tau * step / round_16, 3),
@@ -310,8 +339,9 @@ def implied(costs: dict) -> dict:
         "verify_16_over_verify_1": round(v16 / v1, 3), "verify_goal_<=1.15": v16 / v1 <= 1.15,
         "draft_16_over_target_step": round(costs["draft_16"]["median"] / costs["step_1"]["median"], 3),
         "draft_goal_<0.15": costs["draft_16"]["median"] / costs["step_1"]["median"] < 0.15,
-        "speedup_goal_>5_at_tau_6.49": res[GREEDY_TAU]["speedup_engine"] > 5,
     }
+    if taus is PAPER_TAU:
+        goals["speedup_goal_>5_at_tau_6.49"] = res[GREEDY_TAU]["speedup_engine"] > 5
     return {"speedups": res, "goals": goals}
 
 
@@ -328,7 +358,7 @@ def markdown(result: dict) -> str:
         lines += [f"| engine round, DFlash block 16, T={t} | {c[f'round_16_t{t}']['median']:.3f} |",
                   f"| engine round, DFlash block 8, T={t} | {c[f'round_8_t{t}']['median']:.3f} |",
                   f"| engine round, target alone, T={t} | {c[f'target_step_t{t}']['median']:.3f} |"]
-    lines += ["", "| at the paper's tau | tau | speedup (engine rounds) | speedup (networks only) |",
+    lines += ["", f"| at the {result['tau_kind']} tau | tau | speedup (engine rounds) | speedup (networks only) |",
               "|---|---|---|---|"]
     for label, s in result["speedups"].items():
         lines.append(f"| {label} | {s['tau']} | {s['speedup_engine']:.2f}x | {s['speedup_networks_only']:.2f}x |")
@@ -344,10 +374,11 @@ def markdown_batched(batched: dict) -> str:
     lines = [f"Batched: B sessions x q tokens in one packed target forward, each session with {batched['context']} "
              f"cached tokens; drafter: one batched forward at block {batched['block_size']} with "
              f"{batched['new_context_per_draft']} new context rows per session (median ms of {batched['iters']}). "
-             f"Tokens/s: {PROJECTION} (tau {proj['tau']}).", "",
+             f"Tokens/s: {batched['label']} (tau {proj['tau']}).", "",
              "| B | " + " | ".join(f"target q={q} ms" for q in qs) + " | plain q=1 ms | draft ms "
-             "| plain tok/s | DFlash tok/s (projected) | x | best q (geometric) | tok/s at best q | x |",
-             "|---" * (len(qs) + 9) + "|"]
+             "| plain tok/s | DFlash tok/s (projected) | x | best q (geometric) | tok/s at best q | x "
+             "| pipelined tok/s (bound) | x serial DFlash |",
+             "|---" * (len(qs) + 11) + "|"]
     for r in proj["rows"]:
         b, key = r["batch"], str(r["batch"])
         t = batched["target_ms"][key]
@@ -355,7 +386,9 @@ def markdown_batched(batched: dict) -> str:
         lines.append(f"| {b} | " + " | ".join(f"{t[str(q)]['median']:.3f}" for q in qs)
                      + f" | {batched['baseline_ms'][key]['median']:.3f} | {batched['draft_ms'][key]['median']:.3f}"
                      f" | {r['baseline_tokens_per_s']:.1f} | {r['dflash_tokens_per_s']:.1f} | {r['speedup']:.2f}x"
-                     f" | {bq['verify_tokens']} | {bq['tokens_per_s']:.1f} | {bq['speedup']:.2f}x |")
+                     f" | {bq['verify_tokens']} | {bq['tokens_per_s']:.1f} | {bq['speedup']:.2f}x"
+                     + (" | - | - |" if r["pipelined_tokens_per_s"] is None else
+                        f" | {r['pipelined_tokens_per_s']:.1f} | {r['pipelined_over_serial']:.2f}x |"))
     lines += ["", f"{proj['formula']}.", f"Best q: {proj['best_verify']['label']}."]
     return "\n".join(lines)
 
@@ -370,12 +403,37 @@ def parse_batches(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
+def measured_pair(args: argparse.Namespace):
+    """A trained pair through the project's loader, and its greedy tau with every proposal verified,
+    measured on held-out prompts of the demo corpus."""
+    from dflash.bench.inprocess import driven
+    from dflash.defaults import demo_pair
+    from dflash.demo.corpus import heldout_prompts
+    from dflash.loading import build_engine
+
+    target_dir, drafter_dir = demo_pair() if args.demo else (args.target, args.drafter)
+    engine = build_engine(target_dir, drafter_dir, device=args.device, dtype=args.dtype,
+                          scheduler=SchedulerConfig(verify_policy="full"))
+    prompts = [engine.encode(t) for t in heldout_prompts(args.tau_prompts, seed=0)]
+    tau = driven(engine, prompts, SamplingParams(max_new_tokens=128, ignore_eos=True), "dflash").tau
+    label = f"greedy (measured, {len(prompts)} held-out prompts, 128 tokens)"
+    return engine, round(tau, 3), label, Path(target_dir).name
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU in float32 (tests the script)")
-    p.add_argument("--context", type=int, help="cached context tokens per session (default 512; --tiny 64)")
-    p.add_argument("--iters", type=int, help="timed repetitions (default 30; --tiny 3)")
-    p.add_argument("--warmup", type=int, help="untimed repetitions first (default 5; --tiny 1)")
+    p.add_argument("--demo", action="store_true", help="the built-in trained pair instead of random weights")
+    p.add_argument("--target", help="a trained target directory (with --drafter) instead of random weights")
+    p.add_argument("--drafter", help="its DFlash drafter directory")
+    p.add_argument("--device", default="auto", help="device of a trained pair (default: CUDA if present)")
+    p.add_argument("--dtype", default="auto", help="dtype of a trained pair (default: the loader's)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads with --tiny or a trained pair (default 1: what a CPU replica gets)")
+    p.add_argument("--tau-prompts", type=int, default=8, help="held-out prompts tau is measured on (trained pair)")
+    p.add_argument("--context", type=int, help="cached context tokens per session (default 512; --tiny 64; pair 200)")
+    p.add_argument("--iters", type=int, help="timed repetitions (default 30; --tiny 3; pair 10)")
+    p.add_argument("--warmup", type=int, help="untimed repetitions first (default 5; --tiny 1; pair 2)")
     p.add_argument("--new-context", type=int, default=7, help="context positions each draft call brings (about tau)")
     p.add_argument("--batches", type=parse_batches, default=BATCHES,
                    help="batch sizes of the batched sweep (default 1,2,4,8,16,32)")
@@ -383,20 +441,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-batched", action="store_true", help="skip the batched sweep")
     p.add_argument("--out", type=Path, help="write the JSON result here")
     args = p.parse_args(argv)
-    if not args.tiny and not torch.cuda.is_available():
-        print("gpu_scale: no CUDA device; use --tiny to run the same code on CPU", file=sys.stderr)
+    pair = args.demo or args.target is not None
+    if args.target is not None and args.drafter is None:
+        p.error("--target needs --drafter")
+    if not (args.tiny or pair) and not torch.cuda.is_available():
+        print("gpu_scale: no CUDA device; use --tiny (or --demo) to run the same code on CPU", file=sys.stderr)
         return 2
-    device = torch.device("cpu" if args.tiny else "cuda")
-    dtype = torch.float32 if args.tiny else torch.bfloat16
-    context, iters, warmup = args.context or (64 if args.tiny else 512), args.iters or (3 if args.tiny else 30), \
-        args.warmup if args.warmup is not None else (1 if args.tiny else 5)
-    batch_iters = args.batch_iters or (2 if args.tiny else 10)
-    target_model, draft_model = build(TINY if args.tiny else QWEN3_8B, 5, BLOCK, device, dtype)
-    target = TargetModel(target_model, draft_model.config.target_layer_ids)
-    plain = TargetModel(target_model)
-    drafter = LocalDrafter(draft_model, target.embed_tokens, target.lm_head)
+    small = args.tiny or pair
+    if small:
+        torch.set_num_threads(args.threads)
+    context = args.context or (64 if args.tiny else 200 if pair else 512)
+    iters = args.iters or (3 if args.tiny else 10 if pair else 30)
+    warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2 if pair else 5)
+    batch_iters = args.batch_iters or (2 if small else 10)
+    if pair:
+        engine, tau, tau_label, shape = measured_pair(args)
+        target, drafter = engine.target, engine.drafter
+        plain = TargetModel(target.model)
+        taus, tau_kind, label = {tau_label: (0.0, tau)}, "measured", "projection at the measured tau, trained weights"
+        layers, dtype = len(drafter.model.layers), target.model.dtype
+        features = drafter.model.fc.in_features
+    else:
+        dtype = torch.float32 if args.tiny else torch.bfloat16
+        target_model, draft_model = build(TINY if args.tiny else QWEN3_8B, 5, BLOCK,
+                                          torch.device("cpu" if args.tiny else "cuda"), dtype)
+        target = TargetModel(target_model, draft_model.config.target_layer_ids)
+        plain = TargetModel(target_model)
+        drafter = LocalDrafter(draft_model, target.embed_tokens, target.lm_head)
+        features = draft_model.config.hidden_size * len(draft_model.config.target_layer_ids)
+        taus, tau_kind, label, layers = PAPER_TAU, "paper's", PROJECTION, 5
+        shape = "tiny" if args.tiny else "Qwen3-8B"
+    device = target.device
     clock = Clock(device)
-    features = draft_model.config.hidden_size * len(draft_model.config.target_layer_ids)
     costs = measure_verify(target, plain, context, clock, iters, warmup)
     costs |= measure_draft(drafter, context, features, args.new_context, clock, iters, warmup)
     # "full": every round verifies its whole block, so a round's cost is the cost of its parts
@@ -404,18 +480,19 @@ def main(argv: list[str] | None = None) -> int:
                              cache_tokens=max(1 << 16, 2 * (context + (iters + warmup + 3) * BLOCK)))
     costs |= measure_rounds(SpeculativeEngine(target, drafter, config=config),
                             SpeculativeEngine(plain, None, config=config), context, clock, iters, warmup)
-    result = {"shape": "tiny" if args.tiny else "Qwen3-8B", "drafter_layers": 5, "dtype": str(dtype).split(".")[-1],
-              "context": context, "new_context_per_draft": args.new_context,
+    result = {"shape": shape, "drafter_layers": layers, "dtype": str(dtype).split(".")[-1],
+              "context": context, "new_context_per_draft": args.new_context, "tau_kind": tau_kind,
               "machine": {"device": torch.cuda.get_device_name(0) if device.type == "cuda"
-                          else platform.processor() or "CPU",
+                          else f"{platform.processor() or 'CPU'}, {torch.get_num_threads()} torch thread(s)",
                           "torch": torch.__version__, "platform": platform.platform(),
                           "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
               "command": " ".join(["python benchmarks/gpu_scale.py", *(argv if argv is not None else sys.argv[1:])]),
-              "costs_ms": costs, **implied(costs)}
+              "costs_ms": costs, **implied(costs, taus)}
     if not args.no_batched:
         batched = measure_batched(target, plain, drafter, context, features, args.new_context, args.batches, clock,
-                                  batch_iters, min(warmup, 2))
-        batched["projection"] = project_batched(batched, PAPER_TAU[GREEDY_TAU][1])
+                                  batch_iters, min(warmup, 2), label)
+        greedy_label, (_, greedy_tau) = next(iter(taus.items()))
+        batched["projection"] = project_batched(batched, greedy_tau, label, greedy_label)
         result["batched"] = batched
     print(markdown(result))
     if args.out:

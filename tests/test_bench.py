@@ -345,12 +345,19 @@ def test_gpu_scale_script_runs_tiny(tmp_path):
         assert r["dflash_tokens_per_s"] == pytest.approx(r["batch"] * 6.49 / ((t16 + draft) / 1000), abs=0.06)
         assert r["baseline_tokens_per_s"] == pytest.approx(r["batch"] / (batched["baseline_ms"][b]["median"] / 1000),
                                                            abs=0.06)
+        if r["batch"] == 1:  # no half batch: nothing to pipeline
+            assert r["pipelined_tokens_per_s"] is None and r["pipelined_over_serial"] is None
+            continue
+        half = str(r["batch"] // 2)  # two cohorts of B/2 taking turns: a round every two half steps
+        step = max(batched["target_ms"][half]["16"]["median"], batched["draft_ms"][half]["median"])
+        assert r["pipelined_tokens_per_s"] == pytest.approx(r["batch"] * 6.49 / (2 * step / 1000), abs=0.06)
     best = proj["best_verify"]
     assert 0.8 < best["acceptance_p"] < 0.9 and "geometric" in best["label"] and label in best["label"]
     for r, b in zip(best["rows"], proj["rows"]):
         assert 1 <= r["verify_tokens"] <= 16 and r["tokens_per_s"] >= max(b["dflash_tokens_per_s"],
                                                                            b["baseline_tokens_per_s"]) - 0.1
     assert "| B | target q=1 ms |" in proc.stdout and "best q (geometric)" in proc.stdout
+    assert "pipelined tok/s (bound)" in proc.stdout
 
 
 def test_anchor_difficulty_script_runs_on_the_demo_pair():
@@ -386,3 +393,19 @@ def test_transformers_dflash_method_runs_our_drafter_in_transformers_generate():
                                                        "sliding_window": 4})).eval()
     _, unavailable = build_methods(["hfdflash"], engine_for(target, sliding), baseline, "no AR draft", None)
     assert "sliding_window" in unavailable[TRANSFORMERS_DFLASH]
+
+
+def test_gpu_scale_measures_a_trained_pair(tmp_path):
+    """--demo: the same costs on the shipped pair (one CPU thread), tau measured instead of the paper's."""
+    out = tmp_path / "demo.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_scale.py"), "--demo", "--batches", "1,2",
+                           "--iters", "2", "--warmup", "0", "--batch-iters", "1", "--tau-prompts", "1",
+                           "--out", str(out)], check=False, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    [(label, speedups)] = result["speedups"].items()
+    assert result["tau_kind"] == "measured" and label.startswith("greedy (measured") and speedups["tau"] > 1
+    assert "speedup_goal_>5_at_tau_6.49" not in result["goals"] and "| at the measured tau |" in proc.stdout
+    proj = result["batched"]["projection"]
+    assert proj["tau"] == speedups["tau"] and proj["label"] == "projection at the measured tau, trained weights"
+    assert proj["rows"][1]["pipelined_tokens_per_s"] > 0 and result["drafter_layers"] == 3
