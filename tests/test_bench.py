@@ -196,6 +196,43 @@ def test_service_method_equals_target_and_load_mode(engines, serve, tmp_path, ca
     assert "missing.jsonl" in capsys.readouterr().err
 
 
+def test_load_mode_passes(engines, serve, tmp_path, capsys):
+    """--passes 3: the sweep three times over the real service, cells the median pass, every pass kept."""
+    address = serve(EngineServicer(engines[0]))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n")
+    assert main(["bench", "--load", "1,2", "--service", address, "--passes", "3", "--requests-per-stream", "1",
+                 "--max-new-tokens", "4", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "load.json").read_text())
+    assert result["settings"]["passes"] == 3 and len(result["passes"]) == 3
+    orders = [[c["method"] for c in cells] for cells in result["passes"]]  # each pass starts with the other
+    assert orders[0] == orders[2] == ["dflash", "target-only", "target-only", "dflash"] != orders[1]
+    for cell in result["cells"]:
+        runs = [c["tokens_per_s"] for cells in result["passes"] for c in cells
+                if (c["method"], c["concurrency"]) == (cell["method"], cell["concurrency"])]
+        assert cell["tokens_per_s_passes"] == runs and cell["tokens_per_s"] == sorted(runs)[1]
+    out = capsys.readouterr().out
+    assert "3 passes: each cell its median pass" in out and "18 requests" in out  # 3 x (1 + 1 + 2 + 2)
+    assert main(["bench", "--load", "1", "--service", address, "--passes", "0"]) == 2
+    assert "--passes" in capsys.readouterr().err
+
+
+def test_merge_passes_takes_medians_of_paired_ratios():
+    from dflash.bench.load import merge_passes
+
+    def cell(method, c, tok_s, ttft):
+        return {"method": method, "concurrency": c, "tokens_per_s": tok_s, "ttft_ms": {"p50": ttft}}
+
+    passes = [[cell("dflash", 1, 100.0, 1), cell("target-only", 1, 50.0, 2)],
+              [cell("dflash", 1, 60.0, 3), cell("target-only", 1, 40.0, 4)],  # a slow pass: both slower
+              [cell("dflash", 1, 90.0, 5), cell("target-only", 1, 45.0, 6)]]
+    merged = merge_passes(passes)
+    by = {c["method"]: c for c in merged["cells"]}
+    assert by["dflash"]["tokens_per_s"] == 90.0 and by["dflash"]["ttft_ms"]["p50"] == 5  # one real pass
+    assert by["target-only"]["tokens_per_s_passes"] == [50.0, 40.0, 45.0] and by["target-only"]["tokens_per_s"] == 45
+    assert merged["ratios"]["dflash/target-only"] == {"1": 2.0}  # median of 2.0, 1.5, 2.0 (not 90 / 45 by luck)
+    assert merged["passes"] == passes
+
+
 def test_load_mode_counts_errors(engines, serve, tmp_path, capsys):
     address = serve(EngineServicer(engines[0], abort=True))
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "x = 1"}) + "\n")

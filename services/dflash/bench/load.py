@@ -8,6 +8,7 @@ is the OpenAI API's).
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections import Counter
@@ -157,6 +158,7 @@ class SweepSettings:
     ignore_eos: bool = True  # every request then generates exactly max_new_tokens: the same work per cell
     duration_s: float | None = None  # a cap per cell: no request starts after it, those streaming are cancelled
     warmup_requests: int = 1  # per method, before the sweep, not counted
+    passes: int = 1  # the whole sweep this many times; cells and ratios are then medians over the passes
     methods: tuple[LoadMethod, ...] = METHODS
     token: str = field(default="", repr=False)
     openai_token: str = field(default="", repr=False)  # the OpenAI servers' API key ("": token)
@@ -184,22 +186,56 @@ def run_sweep(settings: SweepSettings, prompts: list, progress: Callable[[dict],
     """Every (concurrency, method) cell, the methods interleaved at each concurrency so that drift in
     the machine's speed hits both alike, their order alternating from one concurrency to the next (A B,
     B A, ...) so that neither always meets a new concurrency first (the server adapts to it: the verify
-    policy learns the batch's costs); `progress(cell)` is called as each cell finishes."""
+    policy learns the batch's costs); `progress(cell)` is called as each cell finishes. With
+    `settings.passes` > 1 the whole sweep runs that many times (`merge_passes`)."""
     if not prompts:
         raise DFlashError("the load mode needs at least one prompt")
+    if settings.passes < 1:
+        raise DFlashError(f"--passes: at least 1 pass over the sweep, got {settings.passes}")
     clients = connect_all(settings)
     for method in settings.methods:
         for i in range(settings.warmup_requests):
             _one(clients[method.name], settings, method, prompts[i % len(prompts)], i, None)
-    cells = []
-    for k, concurrency in enumerate(settings.concurrencies):
-        for method in settings.methods if k % 2 == 0 else settings.methods[::-1]:
-            records, wall_s = run_cell(clients[method.name], settings, method, concurrency, prompts)
-            cells.append(summarize_cell(method.name, concurrency, records, wall_s))
-            if progress is not None:
-                progress(cells[-1])
-    add_speedups(cells)
-    return {"settings": settings.public(), "cells": cells, "ratios": method_ratios(cells, settings.methods)}
+    passes = []
+    for n in range(settings.passes):  # each pass starts with the other method: every pair meets both orders
+        cells = []
+        for k, concurrency in enumerate(settings.concurrencies):
+            for method in settings.methods if (k + n) % 2 == 0 else settings.methods[::-1]:
+                records, wall_s = run_cell(clients[method.name], settings, method, concurrency, prompts)
+                cells.append(summarize_cell(method.name, concurrency, records, wall_s))
+                if progress is not None:
+                    progress(cells[-1])
+        add_speedups(cells)
+        passes.append(cells)
+    if len(passes) == 1:
+        return {"settings": settings.public(), "cells": passes[0], "ratios": method_ratios(passes[0], settings.methods)}
+    return {"settings": settings.public(), **merge_passes(passes, settings.methods)}
+
+
+def merge_passes(passes: list[list[dict]], methods: tuple[LoadMethod, ...] = METHODS) -> dict:
+    """Several passes of one sweep as one result: each cell is its median pass by tokens/s (the lower
+    of the middle two for an even count, so every figure of a cell comes from one real run), with the
+    tokens/s of every pass; each ratio is the median of the passes' own ratios (both sides measured in
+    the same pass, minutes apart at most, so the machine's drift cancels within each); `passes` keeps
+    every pass's cells."""
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for cells in passes:
+        for cell in cells:
+            runs.setdefault((cell["method"], cell["concurrency"]), []).append(cell)
+    merged = []
+    for cells in runs.values():
+        median = statistics.median_low(c["tokens_per_s"] for c in cells)
+        cell = next(c for c in cells if c["tokens_per_s"] == median)
+        merged.append({**cell, "tokens_per_s_passes": [c["tokens_per_s"] for c in cells]})
+    add_speedups(merged)
+    per_pass = [method_ratios(cells, methods) for cells in passes]
+    ratios = {name: {c: _median([r[name][c] for r in per_pass]) for c in by_c} for name, by_c in per_pass[0].items()}
+    return {"cells": merged, "ratios": ratios, "passes": passes}
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 3) if known else None
 
 
 def connect_all(settings: SweepSettings) -> dict[str, Client | OpenAIClient]:

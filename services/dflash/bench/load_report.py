@@ -58,8 +58,14 @@ def summary_lines(result: dict) -> list[str]:
         if taus:
             lines.append(f"{m} mean tau: " + ", ".join(f"c={c} {t:.2f}" for c, t in taus))
     s = result["settings"]
-    requests = sum(c["requests"] for c in result["cells"])
-    errors = [c for c in result["cells"] if c["errors"]]
+    if "passes" in result:
+        per_pass = "; ".join(f"{c['method']} c={c['concurrency']} " + "/".join(f"{v:.0f}" for v in runs)
+                             for c in result["cells"] for runs in [c["tokens_per_s_passes"]])
+        lines.append(f"{len(result['passes'])} passes: each cell its median pass, each ratio the median of the "
+                     f"passes' own; tok/s per pass: {per_pass}")
+    every = [c for cells in result.get("passes", [result["cells"]]) for c in cells]  # errors of every pass
+    requests = sum(c["requests"] for c in every)
+    errors = [c for c in every if c["errors"]]
     lines.append(f"{requests} requests ({s['requests_per_stream']} per stream, {s['max_new_tokens']} new tokens, "
                  f"T={s['temperature']:g}); errors: " +
                  (", ".join(f"{c['method']} c={c['concurrency']} {c['error_codes']}" for c in errors) or "none"))

@@ -81,6 +81,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "on, a thread per stream), in the same sweep: what the serving path keeps of the engine")
     p.add_argument("--requests-per-stream", type=int, default=2, metavar="N",
                    help="load mode: requests each concurrent stream sends, one after another (default 2)")
+    p.add_argument("--passes", type=int, default=1, metavar="N",
+                   help="load mode: run the whole sweep N times, the methods' order alternating; each cell is "
+                        "then its median pass and each ratio the median of the passes' own (default 1)")
     p.add_argument("--duration", type=float, metavar="S",
                    help="load mode: optional cap in seconds per cell (default none: every request runs to the end)")
     p.set_defaults(handler=run)
@@ -254,7 +257,7 @@ def run_load_mode(args: argparse.Namespace, settings: BenchArgs) -> int:
     sweep = SweepSettings(args.service or "", concurrencies, args.requests_per_stream, settings.max_new_tokens,
                           settings.temperatures[0], duration_s=settings.duration_s, methods=methods,
                           token=args.service_token, openai_token=args.openai_token or args.service_token,
-                          in_process=in_process)
+                          in_process=in_process, passes=args.passes)
     prompts = read_prompts(args, settings.num_prompts)
     result = run_sweep(sweep, prompts, progress=_print_cell)
     print(format_sweep(result))
