@@ -18,6 +18,10 @@ def _x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def _slashed(values: list[float]) -> str:
+    return "/".join(f"{v:.0f}" for v in values)
+
+
 def _pair(d: dict) -> str:
     return f"{_ms(d['p50'])} / {_ms(d['p99'])}"
 
@@ -59,8 +63,8 @@ def summary_lines(result: dict) -> list[str]:
             lines.append(f"{m} mean tau: " + ", ".join(f"c={c} {t:.2f}" for c, t in taus))
     s = result["settings"]
     if "passes" in result:
-        per_pass = "; ".join(f"{c['method']} c={c['concurrency']} " + "/".join(f"{v:.0f}" for v in runs)
-                             for c in result["cells"] for runs in [c["tokens_per_s_passes"]])
+        per_pass = "; ".join(f"{c['method']} c={c['concurrency']} {_slashed(c['tokens_per_s_passes'])}"
+                             for c in result["cells"])
         lines.append(f"{len(result['passes'])} passes: each cell its median pass, each ratio the median of the "
                      f"passes' own; tok/s per pass: {per_pass}")
     every = [c for cells in result.get("passes", [result["cells"]]) for c in cells]  # errors of every pass
