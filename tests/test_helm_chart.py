@@ -1177,6 +1177,9 @@ def test_redis(variant):
     sts = one(objs, "StatefulSet", "-redis")
     container = sts["spec"]["template"]["spec"]["containers"][0]
     assert "--appendonly yes" in container["args"][0]
+    # every step durable before it is streamed, as the embedded redis-server of `dflash serve`
+    assert f"--appendfsync {value(variant, 'redis.appendfsync')}" in container["args"][0]
+    assert value(variant, "redis.appendfsync") == "always"
     assert "$REDIS_PASSWORD" in container["args"][0] and "requirepass" in container["args"][0]
     secret_ref = env_of(container)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
     assert secret_ref["name"] == one(objs, "Secret", "-redis")["metadata"]["name"]
