@@ -289,11 +289,11 @@ def pipelined_tokens_per_s(batched: dict, b: int, tau: float) -> float | None:
     return b * tau / (2 * step / 1000)
 
 
-def project_batched(batched: dict, tau: float, label: str = PROJECTION, tau_source: str = GREEDY_TAU) -> dict:
+def project_batched(batched: dict, tau: float, tau_source: str = GREEDY_TAU) -> dict:
     """Aggregate tokens/s per batch, DFlash at tau (block 16) vs plain batched decoding, the two-cohort
     pipelined bound, and the best verify length per batch under the geometric model (times between
     measured q interpolated linearly)."""
-    block = batched["block_size"]
+    block, label = batched["block_size"], batched["label"]
     p = fit_acceptance(tau, block - 1)
     rows, best = [], []
     for b in batched["batches"]:
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         batched = measure_batched(target, plain, drafter, context, features, args.new_context, args.batches, clock,
                                   batch_iters, min(warmup, 2), label)
         greedy_label, (_, greedy_tau) = next(iter(taus.items()))
-        batched["projection"] = project_batched(batched, greedy_tau, label, greedy_label)
+        batched["projection"] = project_batched(batched, greedy_tau, greedy_label)
         result["batched"] = batched
     print(markdown(result))
     if args.out:
