@@ -1,9 +1,11 @@
 """The serving path in process: static batch vs the engine's own steps vs streams read by threads.
 
-Not a test. Prints one table from one run (see dflash.bench.inprocess for what each way is):
+Not a test. Prints one table from one run (see dflash.bench.inprocess for what each way is); with
+--passes N the streams runs are made N times, alternating, and the cells are medians:
 
     python benchmarks/serving_path.py                           # demo pair, 1, 8 and 16 streams
     python benchmarks/serving_path.py --streams 16 --max-new-tokens 64 --policies full
+    python benchmarks/serving_path.py --passes 3                # what issue 31's ratios are read from
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: what a replica gets)")
     p.add_argument("--policies", default="adaptive,full", help="verify policies to run DFlash with (default both)")
     p.add_argument("--stream-interval-ms", type=float, help="the engine's stream interval (default: its default)")
+    p.add_argument("--passes", type=int, default=1,
+                   help="the streams runs this many times, methods' order reversed every other pass (default 1)")
     p.add_argument("--json", type=Path, help="also write the cells here")
     args = p.parse_args()
 
     import torch
-    from dflash.bench.inprocess import format_cells, sweep
+    from dflash.bench.inprocess import format_cells, format_policy, sweep
     from dflash.defaults import demo_pair
     from dflash.demo.corpus import heldout_prompts
     from dflash.loading import build_engine
@@ -36,9 +40,13 @@ def main() -> None:
     engines = {name: build_engine(*demo_pair(), scheduler=SchedulerConfig(verify_policy=name, **extra))
                for name in args.policies.split(",")}
     encode = next(iter(engines.values())).encode
-    prompts = [encode(t) for t in heldout_prompts(max(concurrencies), seed=0)]
-    cells = sweep(engines, prompts, concurrencies, args.max_new_tokens)
+    # At least 16 drawn, so a concurrency runs on the same prompts (the last c) whatever else is swept.
+    prompts = [encode(t) for t in heldout_prompts(max(*concurrencies, 16), seed=0)]
+    cells = sweep(engines, prompts, concurrencies, args.max_new_tokens, args.passes)
     print(format_cells(cells))
+    if any(c.method == "dflash adaptive" for c in cells) and len(engines) + 1 > 2:
+        print()
+        print(format_policy(cells))
     if args.json:
         args.json.write_text(json.dumps([c.to_dict() for c in cells], indent=1))
 

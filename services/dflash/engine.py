@@ -320,7 +320,7 @@ class SpeculativeEngine:
             self.policy.step_started(t0)
         prefill_tokens = sum(n for _, n in plan.prefills)
         sizes = [self._round_block_size(g) for g in plan.decodes]
-        decision = self._decide(sizes)
+        decision = self._decide(sizes, sum(g.num_rounds == 0 for g in plan.decodes))
         if not decision.drafts:
             sizes = [1] * len(sizes)
         if self.pipeline is None:
@@ -354,6 +354,8 @@ class SpeculativeEngine:
         picks = sample_rows(outs.logits, rows)
         posteriors, first_tokens = picks[:num_decodes], dict(zip(firsts, (p[0] for p in picks[num_decodes:])))
         accepted = [accept_length(v, post) for v, post in zip(verified, posteriors)]
+        if self.policy is not None:
+            self.policy.verified([d.probs for d in drafts], lengths, accepted)
         features = self._kept_features(decodes, outs, accepted)
         verify_ms = self._ms_since(t1)
         num_tokens = sum(len(i.token_ids) for i in items)
@@ -459,13 +461,14 @@ class SpeculativeEngine:
         return ([decodes[i] for i in verify], [h.draft if h else Draft.none() for h in held],
                 [h.ms if h else 0.0 for h in held])
 
-    def _decide(self, sizes: list[int]) -> Decision:
-        """Whether this step drafts and how its proposals are verified (verify_policy.py)."""
+    def _decide(self, sizes: list[int], fresh: int) -> Decision:
+        """Whether this step drafts and how its proposals are verified (verify_policy.py); `fresh`: how
+        many of the sessions decode for the first time."""
         if not any(size > 1 for size in sizes):
             return Decision("plain", "nothing to draft")
         if self.policy is None:
             return Decision("full", "policy off")
-        return self.policy.decide(len(sizes))
+        return self.policy.decide(len(sizes), fresh)
 
     def _verify_lengths(self, decision: Decision, drafts: list[Draft], base_tokens: int, draft_ms: float) -> list[int]:
         if self.policy is None:

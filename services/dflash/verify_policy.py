@@ -19,7 +19,8 @@ batch size not seen before starts from the best arm of the nearest one. The cost
 measurements decide.
 
 The confident arm's model: verifying k proposals of session i commits, in expectation,
-1 + sum_{j<=k} prod_{l<=j} p_il tokens, where p_il is the drafter's probability of its l-th proposal.
+1 + sum_{j<=k} prod_{l<=j} p_il tokens, where p_il is how often the target accepted proposals to which
+the drafter gave the probability of session i's l-th (AcceptanceCalibration, learnt as it runs).
 A step of n packed tokens costs t(n), a curve measured on the device at start-up. Starting from one
 token per session, proposals are added best first (highest prod p) while one more raises the step's
 expected tokens per millisecond.
@@ -166,16 +167,62 @@ def _verify_lengths(best_first: Sequence[tuple[float, int]], num_sessions: int,
     return lengths, expected - num_sessions
 
 
+class AcceptanceCalibration:
+    """How often the target accepted a proposal (the ones before it accepted) against the drafter's
+    probability of it: counts per probability bin, starting from one half. The confident arm weighs
+    proposals by these rates, not by the drafter's own probabilities: the demo drafter is right far more
+    often than it says (a lone stream's proposals at p ~ 0.3 were accepted 12 in a row), and weighed by
+    p the arm verified one token where every proposal would have been accepted."""
+
+    BINS = 10
+    HALF_LIFE = 2000  # proposals per bin: older counts are halved beyond it, so a drift is followed
+
+    def __init__(self) -> None:
+        self.accepted = torch.full((self.BINS,), 1.0, dtype=torch.float64)
+        self.seen = torch.full((self.BINS,), 2.0, dtype=torch.float64)
+
+    def __call__(self, probs: torch.Tensor) -> torch.Tensor:
+        return (self.accepted / self.seen)[self._bins(probs)]
+
+    def observe(self, probs: Sequence[torch.Tensor], verified: Sequence[int], accepted: Sequence[int]) -> None:
+        """Each session's proposal probabilities, how many of them were verified, how many accepted: the
+        accepted ones and the first rejected one are outcomes (what follows a rejection is not)."""
+        seen, outcome = [], []
+        for p, k, a in zip(probs, verified, accepted):
+            n = min(a + 1, k)
+            if n:
+                seen.append(p[:n])
+                outcome.append(torch.arange(n) < a)
+        if not seen:
+            return
+        bins = self._bins(torch.cat(seen))
+        self.seen += torch.bincount(bins, minlength=self.BINS)
+        self.accepted += torch.bincount(bins, weights=torch.cat(outcome).double(), minlength=self.BINS)
+        full = self.seen > self.HALF_LIFE
+        self.seen[full] /= 2
+        self.accepted[full] /= 2
+
+    def _bins(self, probs: torch.Tensor) -> torch.Tensor:
+        return (probs.double() * self.BINS).long().clamp(0, self.BINS - 1)
+
+
 ARMS = ("full", "confident", "plain")
 PIPED = "piped"  # an arm only for engines whose drafter runs apart (remote replicas)
 EXPLORE_EVERY = 32  # steps on the best arm between explorations of another (x2, x4 after repeated losses)
 # A plain burst is skipped while the best arm yields this many times what the start-up yardstick says a
 # plain step does (a plain step is what the yardstick measured; under load it is slower, not faster).
 PLAIN_CLEAR = 1 + 2 * 0.10
-FIRST_LOOK = 8  # steps into a new batch size before its other arms are first tried
+FIRST_LOOK = 8  # steps into a new batch size (or a new lone stream) before its other arms are first tried
+SMALL_BATCH = 2  # sessions: a batch this small is looked at afresh when most of its sessions are new
 BURST = 3  # measured steps per exploration (a drafting burst after plain steps runs one more: see _Bucket)
-BESIDE = 6  # the best arm's steps just before a burst, which the burst is held against
+DRAFT_SAMPLE = 16  # session-steps a drafting burst measures at least (16 steps of a lone stream)
+# The best arm's steps just before a burst, which the burst is held against: enough that a drafting
+# arm's yield, which swings with how predictable the text is for a few tokens, averages over more
+# than one hard or easy stretch (with 6, a lone stream went plain for a run of four hard tokens).
+BESIDE = 16
+CONFIRM = 6  # steps before an arm that looked better is tried again, to confirm it
 KEEP = 2  # explorations of an arm averaged into its ratio to the best
+EXPLORE_SHARE = 0.03  # of the time, what exploring arms that lose may cost
 MARGIN = 0.10  # another arm replaces the best one when it measures this much better (switching costs)
 
 
@@ -214,6 +261,7 @@ class _Bucket:
         self.next_explore = {a: FIRST_LOOK + i * BURST for i, a in enumerate([*others, best])}
         self.burst: tuple[str, int] | None = None  # (arm, steps left to decide)
         self.warmup = False  # the burst's next measured step is its drafter's catch-up: left out
+        self.warmup_ms = 0.0  # of the ratio, not of what the burst cost
         self.measured: list[tuple[float, float]] = []  # the burst's steps, as measured
 
     def ratio(self, arm: str) -> float | None:
@@ -224,7 +272,7 @@ class _Bucket:
         if arm == self.best and self.burst is None and not self.measured:
             self.beside.append((value, ms))
         elif self.warmup:
-            self.warmup = False
+            self.warmup, self.warmup_ms = False, ms
         elif self.burst is not None or self.measured:
             self.measured.append((value, ms))
 
@@ -233,16 +281,31 @@ class _Bucket:
         next, and a switch when the ratio, over the last explorations, beats the best by MARGIN."""
         burst, self.measured = self.measured, []
         measured = bool(burst and self.beside)
-        stretch = 1.0  # the gap is time, not steps: see below
         if measured:
             self.ratios[arm].append(_rate(burst) / _rate(self.beside) if _rate(self.beside) else 1.0)
-            # A burst of drafting steps 5x as long as the best arm's plain ones waits 5x as many steps
-            # (counted in steps, exploring took a third of the time at 16 streams).
-            stretch = max(_mean_ms(burst) / _mean_ms(self.beside), 1.0) if _mean_ms(self.beside) else 1.0
         last = self.ratios[arm][-1] if self.ratios[arm] else 1.0
         self.losses[arm] = self.losses[arm] + 1 if last <= 0.95 else 0
-        self.next_explore[arm] = self.steps + round(_explore_gap(last, self.losses[arm]) * stretch)
-        if measured and self.ratio(arm) > 1 + MARGIN:
+        gap = float(_explore_gap(last, self.losses[arm]))  # in steps of the explored arm
+        if measured and _mean_ms(self.beside) > 0:
+            # The gap is time, not steps: a burst of steps 6x as long as the best arm's waits 6x as many
+            # of the best's (counted in steps, exploring drafting took a third of the time at 16
+            # streams), and one 5x shorter a fifth (a drafting arm that won in a predictable stretch
+            # kept 16 streams for seconds). And what a losing burst cost, its catch-up included, is
+            # at most EXPLORE_SHARE of the time until the next one.
+            beside_ms = _mean_ms(self.beside)
+            lost_ms = (sum(m for _, m in burst) + self.warmup_ms) * max(1.0 - last, 0.0)
+            gap = max(gap * _mean_ms(burst) / beside_ms, lost_ms / EXPLORE_SHARE / beside_ms)
+        self.next_explore[arm] = self.steps + max(round(gap), CONFIRM)
+        if self.best == "plain" and last <= 0.95:
+            # Drafting lost here: the other drafting arms wait as long (one drafting burst of 16
+            # sessions cost six plain steps, and three arms explored apart tripled that).
+            for other in self.arms:
+                if other not in ("plain", arm):
+                    self.next_explore[other] = max(self.next_explore[other], self.next_explore[arm])
+        # One burst alone switches only when it wins by much: at 8 streams a drafting burst measured
+        # 1.1-1.3x plain where one session's text was predictable for a few steps, and kept the batch.
+        needed = MARGIN if len(self.ratios[arm]) == KEEP else 3 * MARGIN
+        if measured and self.ratio(arm) > 1 + needed:
             switch = self.ratio(arm)
             for other in self.arms:  # ratios to the old best become ratios to the new one
                 self.ratios[other] = deque((r / switch for r in self.ratios[other]), maxlen=KEEP)
@@ -257,7 +320,7 @@ def _explore_gap(last: float, losses: int) -> int:
     it keeps losing. One loss is not many: a lone stream's text can be hard for its first tens of
     tokens and predictable after them."""
     if last > 1 + MARGIN:
-        return BESIDE
+        return CONFIRM
     return EXPLORE_EVERY * min(1 << max(losses - 1, 0), 4)
 
 
@@ -280,12 +343,21 @@ class MeasuredPolicy:
         self.arms = arms  # ARMS, plus PIPED for a drafter that runs apart
         self.cost_curve = cost_curve  # the forward's ms against packed tokens (the confident arm's model)
         self.batch_curve = batch_curve or cost_curve  # a plain step's ms against sessions (the yardstick)
+        self.calibration = AcceptanceCalibration()
         self._buckets: dict[int, _Bucket] = {}
         self._open: tuple[_Bucket, str, float, float] | None = None  # bucket, arm, start, tokens per session
 
-    def decide(self, num_decoding: int) -> Decision:
+    def decide(self, num_decoding: int, fresh: int = 0) -> Decision:
+        """`fresh`: how many of the sessions decode for the first time. A batch of one or two is its
+        own text's yield: when most of it is new, what its bucket measured was another text's (a lone
+        stream after a burst of load learnt plain from the hardest straggler of that burst), and every
+        other arm is looked at again within FIRST_LOOK steps. A bigger batch's mix averages over texts."""
         bucket = self._bucket(num_decoding)
         bucket.steps += 1
+        if num_decoding <= SMALL_BATCH and 2 * fresh >= num_decoding:
+            for arm in bucket.arms:
+                if arm != bucket.best:
+                    bucket.next_explore[arm] = min(bucket.next_explore[arm], bucket.steps + FIRST_LOOK)
         if bucket.burst is not None:
             arm, left = bucket.burst
             if left > 0:
@@ -300,10 +372,14 @@ class MeasuredPolicy:
         if arm == "plain" and _rate(bucket.beside) > PLAIN_CLEAR:
             # The yardstick is a plain step: the best arm's rate says what plain would be worth (1 / rate)
             # without a burst to measure it; looked at again soon, as looking costs nothing.
-            bucket.next_explore[arm] = bucket.steps + BESIDE
+            bucket.next_explore[arm] = bucket.steps + CONFIRM
             return Decision(bucket.best, "best")
         catch_up = arm != "plain" and bucket.best == "plain"
-        bucket.burst, bucket.measured, bucket.warmup = (arm, BURST - 1 + catch_up), [], catch_up
+        # A plain step commits one token per session, whatever the text: three measure it. A drafting
+        # step's tokens swing with it (1 to 12 for a lone stream within a few steps): a burst of them
+        # spans DRAFT_SAMPLE session-steps.
+        steps = BURST if arm == "plain" else max(BURST, -(-DRAFT_SAMPLE // num_decoding))
+        bucket.burst, bucket.measured, bucket.warmup, bucket.warmup_ms = (arm, steps - 1 + catch_up), [], catch_up, 0.0
         return Decision(arm, "exploring")
 
     def verify_lengths(self, decision: Decision, probs: Sequence[torch.Tensor], base_tokens: int,
@@ -311,8 +387,13 @@ class MeasuredPolicy:
         """Proposals each session verifies: all of them (full), what the cost model finds worth its time
         (confident), none (plain)."""
         if decision.arm == "confident":
-            return choose_verify_lengths(probs, base_tokens, self.cost_curve, draft_ms)
+            return choose_verify_lengths([self.calibration(p) for p in probs], base_tokens, self.cost_curve, draft_ms)
         return [p.numel() if decision.drafts else 0 for p in probs]
+
+    def verified(self, probs: Sequence[torch.Tensor], lengths: Sequence[int], accepted: Sequence[int]) -> None:
+        """What the target accepted of what it verified (for the confident arm's calibration)."""
+        if any(lengths):
+            self.calibration.observe(probs, lengths, accepted)
 
     def step_started(self, now: float) -> None:
         if self._open is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -31,6 +31,7 @@ class Cell:
     seconds: float
     ttft_ms: float | None = None
     tau: float | None = None
+    pass_index: int = 0  # which pass of the sweep (streams cells; see sweep)
 
     @property
     def tok_s(self) -> float:
@@ -105,10 +106,12 @@ def _tau(totals: Sequence) -> float | None:
 
 
 def sweep(engines: dict[str, SpeculativeEngine], prompts: Sequence[list[int]], concurrencies: Sequence[int],
-          max_new_tokens: int) -> list[Cell]:
+          max_new_tokens: int, passes: int = 1) -> list[Cell]:
     """Each way at each concurrency (the last `c` prompts): target-only on the first engine, DFlash on
     each (`engines`: verify policy name -> engine); one warm-up first. The loop-thread runs come last,
-    as the loop cannot be stopped once started."""
+    as the loop cannot be stopped once started; they are made `passes` times, the methods' order
+    reversed every other pass, so that a machine slowing down or speeding up within the run does not
+    favour the method that runs first (this machine drifts 10-30% between minutes)."""
     first = next(iter(engines.values()))
     plain = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, block_size=1)
     spec = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
@@ -121,22 +124,56 @@ def sweep(engines: dict[str, SpeculativeEngine], prompts: Sequence[list[int]], c
         batch = list(prompts[-c:])
         cells.append(static_batch(first, batch, max_new_tokens))
         cells += [driven(engine, batch, params, name) for name, engine, params in methods]
-    for c in concurrencies:
-        batch = list(prompts[-c:])
-        cells += [streams(engine, batch, params, name) for name, engine, params in methods]
+    for index in range(passes):
+        for c in concurrencies:
+            batch = list(prompts[-c:])
+            order = methods if index % 2 == 0 else methods[::-1]
+            cells += [replace(streams(engine, batch, params, name), pass_index=index) for name, engine, params in order]
     return cells
 
 
 def format_cells(cells: Sequence[Cell]) -> str:
-    """A table: tok/s per way, and streams as a fraction of static and of driven, per concurrency."""
-    by = {(c.way, c.method, c.streams): c for c in cells}
+    """A table: tok/s per way, and streams as a fraction of static and of driven, per concurrency (with
+    several passes, the streams cell is the median pass's figures)."""
+    by = {(c.way, c.method, c.streams): c for c in cells if c.way != "streams"}
+    runs: dict[tuple[str, int], list[Cell]] = {}
+    for c in cells:
+        if c.way == "streams":
+            runs.setdefault((c.method, c.streams), []).append(c)
     lines = ["| streams | method | static tok/s | driven tok/s | streams tok/s | streams/static | streams/driven "
              "| TTFT p50 ms | tau |", "|---|---|---|---|---|---|---|---|---|"]
-    for (way, method, n), cell in by.items():
-        if way != "streams":
-            continue
+    for (method, n), passes in runs.items():
         static, drive = by[("static", "target-only", n)], by[("driven", method, n)]
-        lines.append(f"| {n} | {method} | {static.tok_s:.0f} | {drive.tok_s:.0f} | {cell.tok_s:.0f} | "
-                     f"{cell.tok_s / static.tok_s:.2f} | {cell.tok_s / drive.tok_s:.2f} | {cell.ttft_ms:.1f} | "
-                     f"{cell.tau or 0:.2f} |")
+        tok_s, ttft, tau = (_median([getattr(c, k) or 0 for c in passes]) for k in ("tok_s", "ttft_ms", "tau"))
+        lines.append(f"| {n} | {method} | {static.tok_s:.0f} | {drive.tok_s:.0f} | {tok_s:.0f} | "
+                     f"{tok_s / static.tok_s:.2f} | {tok_s / drive.tok_s:.2f} | {ttft:.1f} | {tau:.2f} |")
     return "\n".join(lines)
+
+
+def format_policy(cells: Sequence[Cell], method: str = "dflash adaptive") -> str:
+    """`method`'s streams against the best of the other methods run beside it, and against target-only,
+    per concurrency: each pass's own ratio (the cells of one pass ran a minute apart at most), their
+    median and range."""
+    runs: dict[int, list[dict[str, float]]] = {}
+    for c in cells:
+        if c.way == "streams":
+            by_pass = runs.setdefault(c.streams, [])
+            while len(by_pass) <= c.pass_index:
+                by_pass.append({})
+            by_pass[c.pass_index][c.method] = c.tok_s
+    lines = [f"| streams | {method} / best other | range | / target-only | range |", "|---|---|---|---|---|"]
+    for n, passes in runs.items():
+        passes = [p for p in passes if method in p and "target-only" in p and len(p) > 1]
+        if not passes:
+            continue
+        best = [p[method] / max(v for k, v in p.items() if k != method) for p in passes]
+        alone = [p[method] / p["target-only"] for p in passes]
+        lines.append(f"| {n} | {_median(best):.2f} | {min(best):.2f}-{max(best):.2f} | {_median(alone):.2f} | "
+                     f"{min(alone):.2f}-{max(alone):.2f} |")
+    return "\n".join(lines)
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
