@@ -383,7 +383,9 @@ def test_features_match_engine_target_and_cache(tmp_path):
         online = OnlineFeatures(model, layer_ids, with_last_hidden=last_hidden)
         assert online.early_exit == (layer_ids == (0, 2) and not last_hidden)
         engine = TargetModel(model, layer_ids).forward_alone(samples[0].input_ids)
-        assert torch.allclose(online(batch).features[0, :n0], engine.features, atol=1e-5)
+        # float32 rounding only: a batch of three and a lone sequence take different kernels (transformers
+        # 5.25 differs from the lone pass by up to 1.6e-5 on features of magnitude ~10)
+        assert torch.allclose(online(batch).features[0, :n0], engine.features, atol=1e-4)
     got = OnlineFeatures(model, (1, 3), with_last_hidden=True)(batch)
     cache_features(model, samples, tmp_path / "feats", (1, 3), with_last_hidden=True, batch_size=2, pad_id=0,
                    dtype=torch.float32)
