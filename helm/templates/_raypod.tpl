@@ -12,6 +12,12 @@ Ray container itself. Pass (dict "ctx" $ "role" "head|verifier|drafter").
 # Ray starts its workers (the replicas) at this niceness; its default, 15, yields the pod's CPUs to Ray's own processes.
 - name: RAY_worker_niceness
   value: {{ $v.workerNiceness | quote }}
+{{- if eq $v.ingressProxy "haproxy" }}
+# Ray Serve's HAProxy mode: on every node HAProxy takes the Serve ports and relays each call straight to an
+# ingress replica's own gRPC/HTTP server (direct ingress); Serve's Python proxy actor serves no request.
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: "1"
+{{- end }}
 # The drafter's gRPC server listens on, and advertises, this pod's address.
 - name: DFLASH_DRAFTER_NET__HOST
   value: "$(POD_IP)"

