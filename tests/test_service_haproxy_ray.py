@@ -29,14 +29,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 PROMPTS = ["def f(x):\n    return", "import os\nprint(", "a = [1, 2, 3]\nb =", "class a:\n    def"]
 ACTOR = {"num_cpus": 0.1}
 TOKEN = "haproxy-token"
-PORT = free_port()
 START_ERROR = []  # pytest retries a failed module fixture for every test; Ray's start is too slow to retry
 
 
 def config_tree(model_dirs):
     target, drafter = model_dirs
+    # The port is taken at start, not at import: collection is minutes earlier in a full run.
     return ServiceConfig.from_dict({
-        "mode": "colocated", "ingress_proxy": "haproxy", "grpc_port": PORT, "torch_threads": 1,
+        "mode": "colocated", "ingress_proxy": "haproxy", "grpc_port": free_port(), "torch_threads": 1,
         "auth_token": TOKEN,
         "model": {"target": str(target), "drafter": str(drafter), "device": "cpu", "dtype": "float32", "name": "tiny"},
         "redis": {"url": ""},
@@ -83,7 +83,7 @@ def test_haproxy_answers_the_public_port_not_serves_proxy(service):
     import psutil
 
     owners = {psutil.Process(c.pid).name() for c in psutil.net_connections(kind="tcp")
-              if c.status == psutil.CONN_LISTEN and c.laddr.port == PORT and c.pid}
+              if c.status == psutil.CONN_LISTEN and c.laddr.port == service.config.grpc_port and c.pid}
     assert owners and all("haproxy" in name for name in owners), owners
 
 
@@ -137,12 +137,27 @@ def test_every_port_listens_on_the_configured_host(service):
 
     import psutil
 
-    ports = {PORT, int(os.environ["RAY_SERVE_HAPROXY_STATS_PORT"]), int(os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"])}
+    stats, metrics = (int(os.environ[f"RAY_SERVE_HAPROXY_{name}_PORT"]) for name in ("STATS", "METRICS"))
+    ports = {service.config.grpc_port, stats, metrics}
     listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
     found = {c.laddr.port: c.laddr.ip for c in listening if c.laddr.port in ports}
-    assert set(found) == ports and set(found.values()) <= {"127.0.0.1", "::ffff:127.0.0.1"}, found
-    direct = [c for c in listening if 40000 <= c.laddr.port <= 41000]  # Serve's direct-ingress gRPC range
-    assert direct and {c.laddr.ip for c in direct} <= {"127.0.0.1", "::ffff:127.0.0.1"}, direct
+    assert set(found) == ports and set(found.values()) <= LOOPBACK, found
+    # The replica's own gRPC server, in Serve's direct-ingress range; only the replica's sockets count
+    # (other listeners of this machine, Ray's agents among them, may take ports in that range too).
+    direct = [c for c in listening if 40000 <= c.laddr.port <= 41000 and c.pid and is_serve_replica(c.pid)]
+    assert direct and {c.laddr.ip for c in direct} <= LOOPBACK, direct
+
+
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
+
+
+def is_serve_replica(pid: int) -> bool:
+    import psutil
+
+    try:
+        return "ServeReplica" in " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
 
 
 def test_a_killed_verifier_resets_the_stream_and_resume_gives_the_rest(service, client, reference):
