@@ -328,6 +328,27 @@ def test_a_drafters_catch_up_does_not_keep_the_policy_on_plain():
     assert policy.best(1)[0] == "full" and arms[300:].count("full") >= 0.85 * 300
 
 
+def test_a_hard_start_that_loses_by_less_than_its_scatter_is_tried_again_soon():
+    """A lone stream whose first tens of tokens are hard: its drafting steps commit 1 to 3 tokens
+    (0.85x plain on average, each step's yield scattering far more), then its text turns predictable
+    (2.5x). That first loss says little; drafting is tried again within the stream and wins it back,
+    where a loss by as little, clear-cut, waits out most of the stream."""
+    policy, clock, step = MeasuredPolicy(CostCurve.flat()), [0.0], [0]
+    scatter = (0.4, 1.3, 0.6, 1.1, 0.3, 1.4, 0.9, 0.8)  # mean 0.85
+
+    def rate(arm):
+        step[0] += 1
+        if arm == "plain":
+            return 1.0
+        base = 0.85 if step[0] <= 40 else 2.5
+        return base * scatter[step[0] % len(scatter)] / 0.85
+
+    step_s = {"full": 0.27, "confident": 0.27, "plain": 0.1}.__getitem__
+    drive(policy, 60, 1, {"full": 0.85, "confident": 0.85, "plain": 1.0}.__getitem__, clock, step_s, fresh=1)
+    arms = drive(policy, 128, 1, rate, clock, step_s, fresh=1)
+    assert policy.best(1)[0] != "plain" and arms[-30:].count("plain") <= 3, arms
+
+
 def test_exploring_a_slow_arm_that_loses_takes_a_small_share_of_the_time():
     """Sixteen streams: a drafting step takes six plain steps' time and commits half what they would.
     Its bursts are spaced by time, not steps, so exploring it costs a few percent of the throughput."""

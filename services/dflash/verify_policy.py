@@ -223,6 +223,7 @@ BESIDE = 16
 CONFIRM = 6  # steps before an arm that looked better is tried again, to confirm it
 KEEP = 2  # explorations of an arm averaged into its ratio to the best
 EXPLORE_SHARE = 0.03  # of the time, what exploring arms that lose may cost
+INCONCLUSIVE_BACKOFF = 8  # at most this many burst lengths between inconclusive explorations
 MARGIN = 0.10  # another arm replaces the best one when it measures this much better (switching costs)
 
 
@@ -295,6 +296,13 @@ class _Bucket:
             beside_ms = _mean_ms(self.beside)
             lost_ms = (sum(m for _, m in burst) + self.warmup_ms) * max(1.0 - last, 0.0)
             gap = max(gap * _mean_ms(burst) / beside_ms, lost_ms / EXPLORE_SHARE / beside_ms)
+            if arm != "plain" and last < 1 and not _conclusive(burst, self.beside, last):
+                # A drafting burst that lost by less than its steps swing (a lone stream's commit 1 to
+                # 16 tokens a step with the text) says little: the hard start of a stream that turns
+                # predictable lost 0.8-0.9x and, by the rule above, waited past its 128th token. It is
+                # tried again after as long as it ran, twice as long after each such loss in a row.
+                burst_ms = sum(m for _, m in burst) + self.warmup_ms
+                gap = burst_ms * min(1 << max(self.losses[arm] - 1, 0), INCONCLUSIVE_BACKOFF) / beside_ms
         self.next_explore[arm] = self.steps + max(round(gap), CONFIRM)
         if self.best == "plain" and last <= 0.95:
             # Drafting lost here: the other drafting arms wait as long (one drafting burst of 16
@@ -322,6 +330,19 @@ def _explore_gap(last: float, losses: int) -> int:
     if last > 1 + MARGIN:
         return CONFIRM
     return EXPLORE_EVERY * min(1 << max(losses - 1, 0), 4)
+
+
+def _conclusive(burst: Sequence[tuple[float, float]], beside: Sequence[tuple[float, float]], ratio: float) -> bool:
+    """Whether `ratio` (the burst's rate over the best arm's beside it) is off 1 by more than twice its
+    standard error, from how the steps' own rates scatter on both sides."""
+    def rel_var(steps: Sequence[tuple[float, float]]) -> float:
+        rates = [v / m for v, m in steps if m > 0]
+        mean = sum(rates) / len(rates) if rates else 0.0
+        if len(rates) < 2 or mean <= 0:
+            return 0.0
+        return sum((r - mean) ** 2 for r in rates) / (len(rates) - 1) / mean**2 / len(rates)
+
+    return abs(1 - ratio) > 2 * ratio * (rel_var(burst) + rel_var(beside)) ** 0.5
 
 
 def _mean_ms(steps: Sequence[tuple[float, float]]) -> float:
@@ -358,6 +379,7 @@ class MeasuredPolicy:
             for arm in bucket.arms:
                 if arm != bucket.best:
                     bucket.next_explore[arm] = min(bucket.next_explore[arm], bucket.steps + FIRST_LOOK)
+                    bucket.losses[arm] = 0  # the losses in a row were another text's
         if bucket.burst is not None:
             arm, left = bucket.burst
             if left > 0:
