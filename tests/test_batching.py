@@ -364,6 +364,25 @@ def test_exploring_a_slow_arm_that_loses_takes_a_small_share_of_the_time():
     assert {"full", "confident"} & set(arms)  # still explored, now and then
 
 
+def test_a_busy_machines_scatter_does_not_make_a_big_batch_explore_more():
+    """Sixteen streams on a machine whose steps scatter (other processes on its cores): a drafting burst
+    that loses 0.7x by less than that scatter is still a loss to back off from, as a big batch's sessions
+    average the text out and a drafting step costs six plain ones."""
+    policy, clock, step = MeasuredPolicy(CostCurve.flat()), [0.0], [0]
+    scatter = (0.3, 1.7, 0.5, 1.5, 1.0)
+
+    def rate(arm):
+        step[0] += 1
+        return scatter[step[0] % len(scatter)] * (1.0 if arm == "plain" else 0.7)
+
+    step_s = {"full": 0.6, "confident": 0.6, "plain": 0.1}.__getitem__
+    drive(policy, 400, 16, rate, clock, step_s)
+    start = clock[0]
+    arms = drive(policy, 4000, 16, rate, clock, step_s)
+    drafting_s = sum(step_s(a) for a in arms if a != "plain")
+    assert policy.best(16)[0] == "plain" and drafting_s / (clock[0] - start) <= 0.1
+
+
 def test_a_new_lone_stream_is_looked_at_afresh():
     """A lone stream's yield is its own text's: plain learnt from one hard stream does not hold back the
     next one, whose drafting is tried within FIRST_LOOK steps (a bigger batch keeps its schedule)."""

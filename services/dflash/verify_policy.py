@@ -251,8 +251,9 @@ class _Bucket:
     three would keep drafting from ever winning back a stream it once lost (a lone stream whose text
     turns predictable after a hard start)."""
 
-    def __init__(self, best: str, arms: tuple[str, ...] = ARMS) -> None:
+    def __init__(self, best: str, arms: tuple[str, ...] = ARMS, small: bool = False) -> None:
         self.arms = arms
+        self.small = small  # a batch of one or two: its yield is its own text's (see judge)
         self.steps = 0
         self.best = best
         self.beside: deque[tuple[float, float]] = deque(maxlen=BESIDE)  # (tokens per session * plain ms, ms)
@@ -296,11 +297,14 @@ class _Bucket:
             beside_ms = _mean_ms(self.beside)
             lost_ms = (sum(m for _, m in burst) + self.warmup_ms) * max(1.0 - last, 0.0)
             gap = max(gap * _mean_ms(burst) / beside_ms, lost_ms / EXPLORE_SHARE / beside_ms)
-            if arm != "plain" and last < 1 and not _conclusive(burst, self.beside, last):
+            if self.small and arm != "plain" and last < 1 and not _conclusive(burst, self.beside, last):
                 # A drafting burst that lost by less than its steps swing (a lone stream's commit 1 to
                 # 16 tokens a step with the text) says little: the hard start of a stream that turns
                 # predictable lost 0.8-0.9x and, by the rule above, waited past its 128th token. It is
                 # tried again after as long as it ran, twice as long after each such loss in a row.
+                # Not in a bigger batch: its sessions average the text out, what scatters there is the
+                # machine (through the service, 16 streams drafted at tau 2.5 and lost 20% by it), and
+                # a drafting step costs up to six plain ones.
                 burst_ms = sum(m for _, m in burst) + self.warmup_ms
                 gap = burst_ms * min(1 << max(self.losses[arm] - 1, 0), INCONCLUSIVE_BACKOFF) / beside_ms
         self.next_explore[arm] = self.steps + max(round(gap), CONFIRM)
@@ -449,5 +453,6 @@ class MeasuredPolicy:
         bucket = self._buckets.get(key)
         if bucket is None:
             near = min(self._buckets, key=lambda k: abs(k.bit_length() - key.bit_length()), default=None)
-            bucket = self._buckets[key] = _Bucket(self._buckets[near].best if near is not None else ARMS[0], self.arms)
+            best = self._buckets[near].best if near is not None else ARMS[0]
+            bucket = self._buckets[key] = _Bucket(best, self.arms, small=key <= SMALL_BATCH)
         return bucket
