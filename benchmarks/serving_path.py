@@ -6,6 +6,7 @@ Not a test. Prints one table from one run (see dflash.bench.inprocess for what e
     python benchmarks/serving_path.py                           # demo pair, 1, 8 and 16 streams
     python benchmarks/serving_path.py --streams 16 --max-new-tokens 64 --policies full
     python benchmarks/serving_path.py --passes 3                # what issue 31's ratios are read from
+    python benchmarks/serving_path.py --streams 1 --requests-per-stream 8 --passes 3   # a lone stream, 8 texts
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def main() -> None:
     p.add_argument("--stream-interval-ms", type=float, help="the engine's stream interval (default: its default)")
     p.add_argument("--passes", type=int, default=1,
                    help="the streams runs this many times, methods' order reversed every other pass (default 1)")
+    p.add_argument("--requests-per-stream", type=int, default=1,
+                   help="requests each stream of the streams runs makes one after another, each on its own "
+                        "prompt (default 1); a lone stream's figure then spans several texts")
     p.add_argument("--json", type=Path, help="also write the cells here")
     args = p.parse_args()
 
@@ -41,8 +45,9 @@ def main() -> None:
                for name in args.policies.split(",")}
     encode = next(iter(engines.values())).encode
     # At least 16 drawn, so a concurrency runs on the same prompts (the last c) whatever else is swept.
-    prompts = [encode(t) for t in heldout_prompts(max(*concurrencies, 16), seed=0)]
-    cells = sweep(engines, prompts, concurrencies, args.max_new_tokens, args.passes)
+    wanted = max(max(concurrencies) * args.requests_per_stream, 16)
+    prompts = [encode(t) for t in heldout_prompts(wanted, seed=0)]
+    cells = sweep(engines, prompts, concurrencies, args.max_new_tokens, args.passes, args.requests_per_stream)
     print(format_cells(cells))
     if any(c.method == "dflash adaptive" for c in cells) and len(engines) + 1 > 2:
         print()

