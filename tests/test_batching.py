@@ -6,6 +6,7 @@ trained drafter, where a mask or position leaking across sessions would show as 
 
 import contextlib
 import threading
+import time
 
 import pytest
 import torch
@@ -193,6 +194,8 @@ def test_a_stream_is_woken_for_its_first_token_its_end_and_then_once_per_interva
     gen.stream_interval_s = 0.0  # the request's own interval wins over the engine's
     assert gen.worth_streaming(10.001, 0.05)
     gen.stream_interval_s, gen.finish_reason = None, "length"
+    assert not gen.worth_streaming(10.001, 0.05)  # finished, its last round not yet delivered
+    gen.ended = True
     assert gen.worth_streaming(10.001, 0.05)  # its end: at once
     assert [r.token_ids for r in gen.take_ready()] == [[3], [4]] and not gen.outbox
 
@@ -511,3 +514,99 @@ def test_a_lone_pipelined_stream_runs_the_serial_round(pair):
     assert steps["pipelined"] == steps["serial"]
     assert [cohort_split(f, r) for f, r in ((1, 0), (8, 0), (4, 4), (3, 1), (1, 3), (2, 1), (0, 5))] == \
         [1, 4, 4, 2, 1, 2, 0]
+
+
+class SlowJournal:
+    """A RoundJournal that records what it stored and takes `delay_s` per write (a Redis script and its
+    fsync, slowed down so that the step after it always computes while it is written); its
+    `fail_from`-th write and all after raise as an unreachable store does. In memory: the journal's
+    contract is what is tested here, RedisSessionStore's own tests run a real redis-server."""
+
+    def __init__(self, delay_s: float = 0.02, fail_from: int | None = None) -> None:
+        self.delay_s, self.fail_from = delay_s, fail_from
+        self.stored: dict[str, list[int]] = {}
+        self.writes = 0
+        self.writing = threading.Event()
+
+    def commit_rounds(self, rounds):
+        from dflash.errors import DFlashError
+
+        self.writes += 1
+        self.writing.set()
+        try:
+            time.sleep(self.delay_s)
+            if self.fail_from is not None and self.writes >= self.fail_from:
+                raise DFlashError("session store is unreachable (this test's)")
+            for r in rounds:
+                self.stored.setdefault(r.session_id, []).extend(r.token_ids)
+            return set()
+        finally:
+            self.writing.clear()
+
+
+def journaled_engine(pair, journal):
+    from dflash.drafter.local import LocalDrafter
+    from dflash.engine import SpeculativeEngine
+    from dflash.target import TargetModel
+
+    target_model, drafter_model = pair
+    target = TargetModel(target_model, drafter_model.config.target_layer_ids)
+    drafter = LocalDrafter(drafter_model, target.embed_tokens, target.lm_head)
+    return SpeculativeEngine(target, drafter, char_tokenizer(), (), FULL, journal=journal)
+
+
+def test_with_the_loop_on_a_step_is_stored_beside_the_next_one_and_streamed_only_once_stored(pair):
+    journal = SlowJournal()
+    engine = journaled_engine(pair, journal)
+    forward, overlapped = engine.target.forward, []
+
+    def watched_forward(*args, **kwargs):
+        overlapped.append(journal.writing.is_set())
+        return forward(*args, **kwargs)
+
+    engine.target.forward = watched_forward
+    requests = mixed_requests(4)
+    want = [engine_for(*pair, char_tokenizer()).run(*r).token_ids for r in requests]
+    engine.start_loop()
+    gens = []
+    for i, (prompt, params) in enumerate(requests):
+        gen = engine.start(prompt, params, seed=params.seed)
+        gen.session_id = f"s{i}"
+        engine.submit(gen)
+        gens.append(gen)
+    got = [[] for _ in gens]
+
+    def read(i):
+        for round_out in engine.stream(gens[i]):
+            got[i].extend(round_out.token_ids)
+            # never streamed before it is stored
+            assert journal.stored[f"s{i}"][: len(got[i])] == got[i]
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(gens))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == want and [journal.stored[f"s{i}"] for i in range(len(gens))] == want
+    assert any(overlapped), "no forward ran while a step was being stored"
+
+
+def test_a_store_that_fails_ends_every_stream_after_what_it_stored_and_nothing_after(pair):
+    journal = SlowJournal(delay_s=0.005, fail_from=4)
+    engine = journaled_engine(pair, journal)
+    engine.start_loop()
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True, block_size=4)
+    gens = []
+    for i, prompt in enumerate(prompts(2, seed=5)):
+        gen = engine.start(prompt, params)
+        gen.session_id = f"s{i}"
+        engine.submit(gen)
+        gens.append(gen)
+    for i, gen in enumerate(gens):
+        got = []
+        with pytest.raises(Exception, match="unreachable"):
+            for round_out in engine.stream(gen):
+                got.extend(round_out.token_ids)
+        assert got == journal.stored.get(f"s{i}", [])
+    # the engine serves on: a request that is not stored
+    assert len(engine.run(prompts(1, seed=6)[0], SamplingParams(max_new_tokens=4, ignore_eos=True)).token_ids) == 4

@@ -7,6 +7,7 @@ A step reads like the paper's round, for every running session at once:
     k = verify lengths                    # adaptive: what pays at this batch on this device
     outs = target.forward(...)            # ONE packed forward: verify blocks + prefill chunks
     accept, commit, emit per session      # the pure round functions of rounds.py
+    delivery.deliver(rounds)              # stored, then streamed (with the loop on: beside the next step)
 With drafters on devices of their own (remote replicas), drafting runs beside verification instead of
 before it: two cohorts of sessions take turns (draft_pipeline.py).
 A single request is the same path with one session. In process, whichever request's stream needs output
@@ -26,12 +27,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from .delivery import StepDelivery
 from .draft_pipeline import DraftPipeline, cohort_split
 from .drafter.protocol import Draft, Drafter, DraftRequest
 from .errors import DFlashError, InvalidRequestError
 from .generation import Generation, OutputListener, RoundOutput
 from .intake import RequestLimits, new_generation
-from .journal import CommittedRound, RoundJournal, SessionFencedError
+from .journal import RoundJournal
 from .params import SamplingParams
 from .rounds import accept_length, committed_tokens
 from .sampling import sample_rows
@@ -78,7 +80,8 @@ class StepObserver(Protocol):
         ...
 
     def on_step(self, report: StepReport) -> None:
-        """At the end of each step, inside its scope."""
+        """At the end of each step, inside its scope: every round it computed, before they are
+        delivered (a round the journal then refuses, for a session taken over, is in it)."""
         ...
 
     def on_sessions(self, num_running: int, num_waiting: int) -> None:
@@ -116,6 +119,7 @@ class SpeculativeEngine:
         self.scheduler = Scheduler(config, self.cache)
         self.observer = observer
         self.journal = journal
+        self.delivery = StepDelivery(journal, self._publish)
         # Two locks, so that a step in progress never makes a request wait to be queued or cancelled:
         # _lock is held for a whole step (one step at a time); _admission only for the short changes to
         # the scheduler's queue and running set. Streams wait on their own Generation.wakeup.
@@ -192,6 +196,7 @@ class SpeculativeEngine:
         streams): streams then wait for their output instead of taking turns at stepping."""
         with self._lock:
             if self._loop is None:
+                self.delivery.run_beside()
                 self._loop = threading.Thread(target=self._step_forever, daemon=True, name="dflash-engine-loop")
                 self._loop.start()
 
@@ -222,7 +227,7 @@ class SpeculativeEngine:
         step this reader runs."""
         try:
             while True:
-                if self._loop is not None and not gen.outbox and not gen.done:  # the loop wakes it when
+                if self._loop is not None and not gen.outbox and not gen.settled:  # the loop wakes it when
                     gen.wakeup.wait()                                             # its output is worth sending
                     gen.wakeup.clear()
                 rounds = gen.take_ready()
@@ -282,14 +287,16 @@ class SpeculativeEngine:
             if not plan:
                 self._report_sessions()
                 return False
+            stepped = plan.decodes + [g for g, _ in plan.prefills]
+            rounds: list[tuple[Generation, RoundOutput]] = []
             try:
                 with self.observer.step_scope() if self.observer is not None else nullcontext():
-                    self._run(plan)
+                    rounds = self._run(plan)
             except Exception as exc:  # noqa: BLE001 - the step's sessions fail, the engine serves on
-                log.exception("step failed for %d sessions", len(plan.decodes) + len(plan.prefills))
-                for gen in plan.decodes + [g for g, _ in plan.prefills]:
+                log.exception("step failed for %d sessions", len(stepped))
+                for gen in stepped:
                     gen.error = exc
-            self._publish(plan.decodes + [g for g, _ in plan.prefills])
+            self.delivery.deliver(rounds, stepped)
             self._retire_done()
             self._report_sessions()
             return True
@@ -314,7 +321,8 @@ class SpeculativeEngine:
         for listener, woken in listeners.values():
             listener.publish(woken)
 
-    def _run(self, plan: StepPlan) -> None:
+    def _run(self, plan: StepPlan) -> list[tuple[Generation, RoundOutput]]:
+        """The step's forward and commits: each session's round, for delivery (stored, then streamed)."""
         start_ns, t0 = time.time_ns(), time.perf_counter()
         if self.policy is not None:
             self.policy.step_started(t0)
@@ -330,7 +338,7 @@ class SpeculativeEngine:
             overlap = self.config.pipeline_drafts == "on" or decision.arm == PIPED
             decodes, drafts, round_draft_ms = self._pipelined(plan.decodes, sizes, bool(plan.prefills), overlap)
             if not decodes and not plan.prefills:
-                return  # every session is drafting (the cohorts even out): nothing to verify yet
+                return []  # every session is drafting (the cohorts even out): nothing to verify yet
         t1 = time.perf_counter()
         draft_ms = (t1 - t0) * 1000  # pipelined: only what the step waited for drafts, not what they took
         if round_draft_ms is None:
@@ -372,35 +380,11 @@ class SpeculativeEngine:
             round_out = self._prefill_chunk(gen, n, outs[i], first_tokens.get(i), verify_ms)
             if round_out is not None:
                 report.rounds.append((gen, round_out))
-        self._journal(report)
-        for gen, round_out in report.rounds:
-            gen.outbox.append(round_out)
         report.end_ns = time.time_ns()
         report.num_running, report.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
         if self.observer is not None:
             self.observer.on_step(report)
-
-    def _journal(self, report: StepReport) -> None:
-        """Make the step's rounds durable (one write for all sessions) before any is streamed. A session
-        taken over by another stream, or every session when the store is down, fails instead."""
-        stored = [(g, out) for g, out in report.rounds if g.session_id is not None]
-        if self.journal is None or not stored:
-            return
-        rounds = [CommittedRound(g.session_id, g.owner, out.token_ids, out.stats.index) for g, out in stored]
-        try:
-            fenced = self.journal.commit_rounds(rounds)
-        except DFlashError as exc:
-            failed = {id(g) for g, _ in stored}
-            for gen, _ in stored:
-                gen.error = exc
-            report.rounds = [(g, out) for g, out in report.rounds if id(g) not in failed]
-            return
-        lost = {id(stored[i][0]) for i in fenced}
-        for gen, _ in stored:
-            if id(gen) in lost:
-                gen.error = SessionFencedError(
-                    f"session_id: {gen.session_id} was taken over by a newer stream (a resume); this stream ends here")
-        report.rounds = [(g, out) for g, out in report.rounds if id(g) not in lost]
+        return report.rounds
 
     def _propose(self, decodes: list[Generation], sizes: list[int]) -> list[Draft]:
         """Drafts for every decoding session in one drafter call; Draft.none() where the round drafts nothing.

@@ -87,6 +87,9 @@ class Generation:
     cancelled: bool = False
     retired: bool = False
     error: BaseException | None = None
+    ended: bool = False
+    """Its last round or its error is delivered (delivery.py): the stream reads to its end. The engine
+    may have finished it, or failed it, a step before the rounds it made earlier are delivered."""
     session_id: str | None = None
     """The stored session this request commits its rounds to (journal.py); None: not stored. Distinct
     from request_id, which keys the caches: a resume may run while the stream it replaces still does."""
@@ -125,11 +128,16 @@ class Generation:
         """Nothing more will be computed for it: finished, cancelled or failed."""
         return self.finished or self.cancelled or self.error is not None
 
+    @property
+    def settled(self) -> bool:
+        """Nothing more will reach the outbox: its end delivered, or cancelled (the stream's side)."""
+        return self.ended or self.cancelled
+
     def worth_streaming(self, now: float, interval_s: float) -> bool:
         """Is what the outbox holds worth waking the stream for at `now` (perf_counter seconds)? Its first
         token, its end and an error are at once; other rounds once `interval_s` has passed since the
         stream was last woken for output (the request's own interval when it set one)."""
-        if self.done:
+        if self.settled:
             return True
         if not self.outbox:
             return False
@@ -139,14 +147,14 @@ class Generation:
 
     def take_ready(self) -> list[RoundOutput] | None:
         """The stream's side, when woken: every round the outbox holds (up to and including the last
-        one); raises the request's error once its rounds are read; [] when it was cancelled; None while
-        nothing is there yet."""
+        one); raises the request's error once its rounds are read and it is delivered; [] when it was
+        cancelled; None while nothing is there yet."""
         rounds: list[RoundOutput] = []
         while self.outbox and (not rounds or rounds[-1].finish_reason is None):
             rounds.append(self.outbox.popleft())
         if rounds:
             return rounds
-        if self.error is not None:
+        if self.error is not None and self.ended:
             raise self.error
         return [] if self.cancelled else None
 

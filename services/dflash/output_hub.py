@@ -51,7 +51,7 @@ class AsyncOutputs:
         ready = self._ready[id(gen)]
         try:
             while True:
-                if not gen.outbox and not gen.done:  # an error after rounds still unread: no wake-up follows
+                if not gen.outbox and not gen.settled:  # an error after rounds still unread: no wake-up follows
                     await ready.wait()
                     ready.clear()
                 rounds = gen.take_ready()
