@@ -149,10 +149,21 @@ def test_every_port_listens_on_the_configured_host(service):
     listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
     found = {c.laddr.port: c.laddr.ip for c in listening if c.laddr.port in ports}
     assert set(found) == ports and set(found.values()) <= LOOPBACK, found
-    # The replica's own gRPC server, in Serve's direct-ingress range; only the replica's sockets count
-    # (other listeners of this machine, Ray's agents among them, may take ports in that range too).
-    direct = [c for c in listening if 40000 <= c.laddr.port <= 41000 and c.pid and is_serve_replica(c.pid)]
-    assert direct and {c.laddr.ip for c in direct} <= LOOPBACK, direct
+    # The replica's own gRPC server, in Serve's direct-ingress range. The replica process also has Ray's
+    # own gRPC servers on ephemeral ports of every interface, which may fall in that range: the one that
+    # answers this project's Generate (a bad request named, not UNIMPLEMENTED) is the direct ingress.
+    replica = [c for c in listening if 40000 <= c.laddr.port <= 41000 and c.pid and is_serve_replica(c.pid)]
+    direct = [c for c in replica if serves_generate(c.laddr.port)]
+    assert direct and {c.laddr.ip for c in direct} <= LOOPBACK, replica
+
+
+def serves_generate(port: int) -> bool:
+    with GenerationClient(f"127.0.0.1:{port}", token=TOKEN, timeout_s=10) as c:
+        try:
+            list(c.generate())
+        except grpc.RpcError as err:
+            return err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    return False
 
 
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
