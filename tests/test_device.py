@@ -59,3 +59,21 @@ def test_driver_version_is_read_from_proc(tmp_path, monkeypatch, text, version):
     assert loading.nvidia_driver_version() == version
     monkeypatch.setattr(loading, "DRIVER_VERSION_FILE", tmp_path / "missing")
     assert loading.nvidia_driver_version() is None
+
+
+def test_cpu_layout_keeps_every_linear_value_and_output_only_its_strides_change():
+    """lay_out_for_device: column-major Linear weights on CPU (what build_engine does); same values, same
+    outputs, idempotent, and the model still saves (save_drafter makes its tensors contiguous)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 12, bias=False), torch.nn.SiLU(), torch.nn.Linear(12, 5))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 8)
+    expected = model(x)
+    assert loading.lay_out_for_device(model) is model
+    for layer in (model[0], model[2]):
+        assert layer.weight.stride() == (1, layer.weight.shape[0]) and layer.weight.t().is_contiguous()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    torch.testing.assert_close(model(x), expected)
+    storage = model[0].weight.data_ptr()
+    loading.lay_out_for_device(model)
+    assert model[0].weight.data_ptr() == storage  # already laid out: left alone

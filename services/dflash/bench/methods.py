@@ -202,8 +202,10 @@ def transformers_dflash(model: PreTrainedModel, drafter_model: DFlashDraftModel,
     """transformers' own DFlash loop (`speculation_type="dflash"`) on our drafter's weights, converted
     exactly (dflash.drafter.transformers_format); raises CheckpointError for a drafter it cannot run."""
     from ..drafter.transformers_format import to_transformers
+    from ..loading import lay_out_for_device
 
-    return HFMethod(TRANSFORMERS_DFLASH, model, to_transformers(drafter_model), pad_token_id,
+    # Laid out as our drafter is (its weights are copied into a fresh transformers model).
+    return HFMethod(TRANSFORMERS_DFLASH, model, lay_out_for_device(to_transformers(drafter_model)), pad_token_id,
                     speculation_type="dflash")
 
 

@@ -202,7 +202,7 @@ def load_models(target: str | Path, drafter: str | Path | None, ar_draft: str | 
                 args: argparse.Namespace) -> tuple[SpeculativeEngine, SpeculativeEngine, PreTrainedModel | str]:
     """The DFlash engine, a target-only engine sharing its model, and the AR draft model (or a reason)."""
     from ..engine import SpeculativeEngine
-    from ..loading import build_engine, load_target, resolve_device
+    from ..loading import build_engine, lay_out_for_device, load_target, resolve_device
     from ..scheduler import SchedulerConfig
     from ..target import TargetModel
 
@@ -220,6 +220,7 @@ def load_models(target: str | Path, drafter: str | Path | None, ar_draft: str | 
         ar_model = f"the demo's autoregressive draft model is missing ({ar_draft}); rebuild with `dflash demo build`"
     else:
         ar_model, _ = load_target(ar_draft, resolve_device(args.device), model.dtype)
+        lay_out_for_device(ar_model)  # as the engine's target and drafter are laid out
     return engine, baseline, ar_model
 
 

@@ -20,7 +20,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
     Qwen3RMSNorm,
     Qwen3RotaryEmbedding,
-    apply_rotary_pos_emb,
+    rotate_half,
 )
 
 from ..attention_backend import AttentionBackend, AttentionPlan, SessionSpan, write_kv
@@ -90,8 +90,8 @@ class PackedDraft:
             spans.append(SessionSpan(tuple(pages), at + nc, nb, at + nc + nb))
         device = self.cache.shape.device
         self.plan = AttentionPlan(spans, self.cache.page_tokens, causal=False, device=device)
-        self.ctx_slots, self.blk_slots = _host(ctx_slots, device), _host(blk_slots, device)
-        self.context_positions, self.block_positions = _host(ctx_pos, device), _host(blk_pos, device)
+        # Keys/values are projected for [every session's context | every block] (DFlashAttention._qkv).
+        self.kv_slots, self.kv_positions = _host(ctx_slots + blk_slots, device), _host(ctx_pos + blk_pos, device)
 
     @cached_property
     def blk_offsets(self) -> list[int]:
@@ -101,6 +101,13 @@ class PackedDraft:
         """Drop the blocks' rows: only context stays cached."""
         for sid, at, nc in zip(self.session_ids, self.cache_starts, self.num_context):
             self.cache.crop(sid, at + nc)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [B, heads, n, d] at cos/sin [B, n, d] (transformers' apply_rotary_pos_emb,
+    for one tensor)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
 
 
 def _host(values: list[int], device: torch.device) -> torch.Tensor:
@@ -139,6 +146,18 @@ class DFlashAttention(nn.Module):
             out = norm(out)
         return out.transpose(1, 2)
 
+    def _qkv(self, hidden: torch.Tensor, context: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries of the block [B, heads, n_block, d]; keys and values of [context | block] [B, kv_heads,
+        n_ctx + n_block, d], projected as one sequence, one matmul each (as the reference drafter and
+        transformers' do). cos/sin cover [context | block] positions."""
+        kv_in = torch.cat([context, hidden], dim=1)
+        q = self._heads(hidden, self.q_proj, self.q_norm)
+        k = self._heads(kv_in, self.k_proj, self.k_norm)
+        v = self._heads(kv_in, self.v_proj, None)
+        n_ctx = context.shape[1]
+        return _rope(q, cos[:, n_ctx:], sin[:, n_ctx:]), _rope(k, cos, sin), v
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -149,17 +168,12 @@ class DFlashAttention(nn.Module):
     ) -> torch.Tensor:
         n_ctx = context.shape[1]
         cos, sin = rope  # [B, n_ctx + n_block, head_dim], context positions first
-        q = self._heads(hidden, self.q_proj, self.q_norm)
-        k_blk = self._heads(hidden, self.k_proj, self.k_norm)
-        v_blk = self._heads(hidden, self.v_proj, None)
-        k_ctx = self._heads(context, self.k_proj, self.k_norm)
-        v_ctx = self._heads(context, self.v_proj, None)
-        q, k_blk = apply_rotary_pos_emb(q, k_blk, cos[:, n_ctx:], sin[:, n_ctx:])
-        k_ctx = apply_rotary_pos_emb(k_ctx, k_ctx, cos[:, :n_ctx], sin[:, :n_ctx])[1]
+        q, k, v = self._qkv(hidden, context, cos, sin)
+        k_ctx, v_ctx = k[:, :, :n_ctx], v[:, :, :n_ctx]
         if cache is not None:
             k_ctx, v_ctx = cache.append(self.layer_idx, k_ctx, v_ctx)
-        k = torch.cat([k_ctx, k_blk], dim=2)
-        v = torch.cat([v_ctx, v_blk], dim=2)
+            k = torch.cat([k_ctx, k[:, :, n_ctx:]], dim=2)
+            v = torch.cat([v_ctx, v[:, :, n_ctx:]], dim=2)
         gqa = self.num_kv_heads != self.num_heads
         if isinstance(mask, BlockMask):
             # Under autocast q/k leave their RMSNorm in float32 while v is bf16; SDPA is on autocast's cast
@@ -175,8 +189,7 @@ class DFlashAttention(nn.Module):
         self,
         hidden: torch.Tensor,
         context: torch.Tensor,
-        rope_blk: tuple[torch.Tensor, torch.Tensor],
-        rope_ctx: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor],
         batch: PackedDraft,
     ) -> torch.Tensor:
         """hidden [1, Tq, H] (all sessions' blocks), context [1, Tc, H] (their new context rows).
@@ -185,16 +198,9 @@ class DFlashAttention(nn.Module):
         attention call then lets each block see its session's whole context and itself (the block rows
         are dropped after the forward by `PackedDraft.crop_blocks`).
         """
-        q = self._heads(hidden, self.q_proj, self.q_norm)
-        k_blk = self._heads(hidden, self.k_proj, self.k_norm)
-        v_blk = self._heads(hidden, self.v_proj, None)
-        k_ctx = self._heads(context, self.k_proj, self.k_norm)
-        v_ctx = self._heads(context, self.v_proj, None)
-        q, k_blk = apply_rotary_pos_emb(q, k_blk, *rope_blk)
-        k_ctx = apply_rotary_pos_emb(k_ctx, k_ctx, *rope_ctx)[1]
+        q, k, v = self._qkv(hidden, context, *rope)
         keys, values = batch.cache.keys[self.layer_idx], batch.cache.values[self.layer_idx]
-        write_kv(keys, values, k_ctx[0].transpose(0, 1), v_ctx[0].transpose(0, 1), batch.ctx_slots)
-        write_kv(keys, values, k_blk[0].transpose(0, 1), v_blk[0].transpose(0, 1), batch.blk_slots)
+        write_kv(keys, values, k[0].transpose(0, 1), v[0].transpose(0, 1), batch.kv_slots)
         out = batch.backend.attend(q[0], keys, values, batch.plan, None, self.sliding_window)
         return self.o_proj(out.reshape(1, out.shape[0], -1))
 
@@ -222,12 +228,10 @@ class DFlashDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         context: torch.Tensor,
-        rope_blk: tuple[torch.Tensor, torch.Tensor],
-        rope_ctx: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor],
         batch: PackedDraft,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn.forward_packed(self.input_layernorm(hidden), context,
-                                                        rope_blk, rope_ctx, batch)
+        hidden = hidden + self.self_attn.forward_packed(self.input_layernorm(hidden), context, rope, batch)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -282,10 +286,9 @@ class DFlashDraftModel(nn.Module):
         """
         context = self.hidden_norm(self.fc(target_hidden)).unsqueeze(0)
         hidden = noise_embedding.unsqueeze(0)
-        rope_ctx = self.rotary_emb(hidden, batch.context_positions.unsqueeze(0))
-        rope_blk = self.rotary_emb(hidden, batch.block_positions.unsqueeze(0))
+        rope = self.rotary_emb(hidden, batch.kv_positions.unsqueeze(0))
         for layer in self.layers:
-            hidden = layer.forward_packed(hidden, context, rope_blk, rope_ctx, batch)
+            hidden = layer.forward_packed(hidden, context, rope, batch)
         batch.crop_blocks()
         return self.norm(hidden)[0]
 

@@ -9,7 +9,7 @@ from ..drafter.checkpoint import check_compatible, load_drafter
 from ..drafter.config import DFlashConfig
 from ..drafter.local import LocalDrafter
 from ..engine import SpeculativeEngine
-from ..loading import build_engine, resolve_device, resolve_dtype
+from ..loading import build_engine, lay_out_for_device, resolve_device, resolve_dtype
 from ..target_heads import load_target_heads
 from .config import ServiceConfig
 from .drafter_client import RemoteDrafter
@@ -51,7 +51,8 @@ def build_draft_sessions(config: ServiceConfig) -> DraftSessions:
     device = resolve_device(config.model.device)
     heads = load_target_heads(target_dir, device, resolve_dtype(config.model.dtype, device))
     embed = heads.embed_tokens.weight
-    draft_model = load_drafter(drafter_dir, device=device, dtype=embed.dtype)
+    draft_model = lay_out_for_device(load_drafter(drafter_dir, device=device, dtype=embed.dtype))
+    lay_out_for_device(heads.lm_head)
     check_compatible(draft_model.config, heads.config, embed.shape[0])
     drafter = LocalDrafter(draft_model, heads.embed_tokens, heads.lm_head)
     return DraftSessions(drafter, config.drafter_net.max_sessions)
