@@ -8,7 +8,7 @@ bidirectional block) and, in a sliding-window layer, only those less than `windo
 
 Backends, chosen by device (`backend_for`):
   padded_sdpa  CPU. Gathers the step's pages into [B, kv_heads, P * page, d], pads queries to the
-               longest session and runs one masked SDPA. Measured here against the loop (docs/engine.md).
+               longest session and runs one masked SDPA. Measured here against the loop (docs/service.md).
   varlen       CUDA. torch's `varlen_attn` (Flash Attention) reads the pool through the block table:
                nothing gathered, nothing padded.
   loop         The reference: one SDPA per session over its own pages. Tests compare against it.
