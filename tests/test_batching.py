@@ -352,6 +352,37 @@ def test_a_hard_start_that_loses_by_less_than_its_scatter_is_tried_again_soon():
     assert policy.best(1)[0] != "plain" and arms[-30:].count("plain") <= 3, arms
 
 
+def test_a_new_batch_size_starts_where_the_cost_model_says_then_measurements_decide():
+    """A fresh engine's first batch is sixteen sessions, where verifying every block costs 6x a plain
+    step (the CPU's curves): it starts on plain and tries drafting only when a burst's predicted loss is
+    a few percent of the time since, not eight steps in. Where drafting then pays after all, the
+    measurements take it; a lone stream, where verifying a block costs 1.5x a step, starts drafting."""
+    cost = CostCurve((1, 16, 256), (6.0, 9.0, 60.0))  # a forward's ms against the tokens it packs
+    batch = CostCurve((1, 16), (6.0, 10.0))  # a plain step's ms against its sessions
+    policy, clock = MeasuredPolicy(cost, batch), [0.0]
+    plain_pays = {"full": 0.5, "confident": 0.5, "plain": 1.0}
+    step_s = {"full": 0.06, "confident": 0.06, "plain": 0.01}.__getitem__
+    arms = []
+    for _ in range(800):  # drive() with the step's full-verify tokens given, as the engine gives them
+        policy.step_started(clock[0])
+        decision = policy.decide(16, 0, 16 * 16)
+        arms.append(decision.arm)
+        seconds = step_s(decision.arm)
+        policy.step_ran(decision, clock[0], 16, round(plain_pays[decision.arm] * 16 * 1000 * seconds), 0)
+        clock[0] += seconds
+    # predicted 2 tokens (the prior tau) per 60 ms against one per 10: a burst of 4 drafting steps loses
+    # 160 ms, 3% of 5.3 s, 533 plain steps
+    assert arms[:500] == ["plain"] * 500 and "full" in arms[500:]
+    assert arms[500:].count("plain") >= 0.9 * 300
+    drafting_pays = {"full": 4.0, "confident": 3.0, "plain": 1.0}
+    drive(policy, 600, 16, drafting_pays.__getitem__, clock, step_s)
+    assert policy.best(16)[0] == "full"
+    lone = MeasuredPolicy(cost, batch)
+    assert lone.decide(1, 1, 16).arm == "full"
+    untold = MeasuredPolicy(cost, batch)  # no full_tokens: the nearest bucket's best, full when none
+    assert untold.decide(16).arm == "full"
+
+
 def test_exploring_a_slow_arm_that_loses_takes_a_small_share_of_the_time():
     """Sixteen streams: a drafting step takes six plain steps' time and commits half what they would.
     Its bursts are spaced by time, not steps, so exploring it costs a few percent of the throughput."""

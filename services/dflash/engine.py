@@ -452,7 +452,7 @@ class SpeculativeEngine:
             return Decision("plain", "nothing to draft")
         if self.policy is None:
             return Decision("full", "policy off")
-        return self.policy.decide(len(sizes), fresh)
+        return self.policy.decide(len(sizes), fresh, sum(sizes))
 
     def _verify_lengths(self, decision: Decision, drafts: list[Draft], base_tokens: int, draft_ms: float) -> list[int]:
         if self.policy is None:

@@ -15,8 +15,17 @@ ones that lose by much (plain gets no burst while the best arm yields well over 
 step: its worth is known without one); an explored arm is judged on its last two bursts, so a change in what pays
 (another batch mix, other prompts, a busier machine) is followed within a few bursts, and the best
 changes only for an arm that beats it by MARGIN (a switch to drafting costs a drafter catch-up). A
-batch size not seen before starts from the best arm of the nearest one. The cost model proposes;
-measurements decide.
+batch size not seen before starts from the best arm of the nearest one, unless the cost model says
+plain pays there (below); the cost model proposes; measurements decide.
+
+A new batch size's start: drafting's yield is predicted as tau (committed tokens per drafting
+session-step, as measured so far; TAU_PRIOR before any) over the time of verifying every session's
+whole block (`cost_curve`) and drafting it (the drafter's time per token so far, extrapolated
+linearly: batched drafting costs less per token, so this leans to plain), plain's as one token over
+a plain step (`batch_curve`). Where plain is predicted to yield more, the bucket starts on plain and first tries
+drafting once what that burst is predicted to lose is EXPLORE_SHARE of the time since: on this CPU a
+fresh service's first 16 streams started on full (no bucket near) and spent its first eight steps at
+150-190 ms each against a 25 ms plain step, 15% of a 9-second run.
 
 The confident arm's model: verifying k proposals of session i commits, in expectation,
 1 + sum_{j<=k} prod_{l<=j} p_il tokens, where p_il is how often the target accepted proposals to which
@@ -225,6 +234,10 @@ KEEP = 2  # explorations of an arm averaged into its ratio to the best
 EXPLORE_SHARE = 0.03  # of the time, what exploring arms that lose may cost
 INCONCLUSIVE_BACKOFF = 8  # at most this many burst lengths between inconclusive explorations
 MARGIN = 0.10  # another arm replaces the best one when it measures this much better (switching costs)
+# Committed tokens per drafting session-step before any is measured: 1 + 1/2 + 1/4 + ..., proposals
+# accepted at AcceptanceCalibration's starting rate of one half.
+TAU_PRIOR = 2.0
+TAU_WEIGHT = 0.05  # of each verified step in the running tau (about the last 20 steps)
 
 
 @dataclass(frozen=True)
@@ -369,15 +382,19 @@ class MeasuredPolicy:
         self.cost_curve = cost_curve  # the forward's ms against packed tokens (the confident arm's model)
         self.batch_curve = batch_curve or cost_curve  # a plain step's ms against sessions (the yardstick)
         self.calibration = AcceptanceCalibration()
+        self.tau = TAU_PRIOR  # committed tokens per verified drafting session-step, running
+        self.draft_ms_per_token: float | None = None  # the drafter's time per block token, running
         self._buckets: dict[int, _Bucket] = {}
         self._open: tuple[_Bucket, str, float, float] | None = None  # bucket, arm, start, tokens per session
 
-    def decide(self, num_decoding: int, fresh: int = 0) -> Decision:
-        """`fresh`: how many of the sessions decode for the first time. A batch of one or two is its
+    def decide(self, num_decoding: int, fresh: int = 0, full_tokens: int | None = None) -> Decision:
+        """`fresh`: how many of the sessions decode for the first time; `full_tokens`: the tokens the step
+        would verify with every proposal (each session's block), for a new batch size's start (None: no
+        prediction, the nearest bucket's best arm). A batch of one or two is its
         own text's yield: when most of it is new, what its bucket measured was another text's (a lone
         stream after a burst of load learnt plain from the hardest straggler of that burst), and every
         other arm is looked at again within FIRST_LOOK steps. A bigger batch's mix averages over texts."""
-        bucket = self._bucket(num_decoding)
+        bucket = self._bucket(num_decoding, full_tokens)
         bucket.steps += 1
         if num_decoding <= SMALL_BATCH and 2 * fresh >= num_decoding:
             for arm in bucket.arms:
@@ -412,6 +429,11 @@ class MeasuredPolicy:
                        draft_ms: float) -> list[int]:
         """Proposals each session verifies: all of them (full), what the cost model finds worth its time
         (confident), none (plain)."""
+        tokens = sum(p.numel() + 1 for p in probs)
+        if decision.drafts and draft_ms > 0 and tokens:
+            per_token = draft_ms / tokens
+            last = self.draft_ms_per_token
+            self.draft_ms_per_token = per_token if last is None else last + TAU_WEIGHT * (per_token - last)
         if decision.arm == "confident":
             return choose_verify_lengths([self.calibration(p) for p in probs], base_tokens, self.cost_curve, draft_ms)
         return [p.numel() if decision.drafts else 0 for p in probs]
@@ -420,6 +442,8 @@ class MeasuredPolicy:
         """What the target accepted of what it verified (for the confident arm's calibration)."""
         if any(lengths):
             self.calibration.observe(probs, lengths, accepted)
+            drafted = [a + 1 for k, a in zip(lengths, accepted) if k]
+            self.tau += TAU_WEIGHT * (sum(drafted) / len(drafted) - self.tau)
 
     def step_started(self, now: float) -> None:
         if self._open is not None:
@@ -447,12 +471,34 @@ class MeasuredPolicy:
         bucket = self._bucket(num_decoding)
         return bucket.best, {a: bucket.ratio(a) for a in bucket.arms if a != bucket.best}
 
-    def _bucket(self, num_decoding: int) -> _Bucket:
-        """A new batch size starts from the best arm of the nearest one measured (full when none)."""
+    def _bucket(self, num_decoding: int, full_tokens: int | None = None) -> _Bucket:
+        """A new batch size starts from the best arm of the nearest one measured (full when none), or on
+        plain where the cost model predicts that plain yields more (see the module's docstring)."""
         key = 1 << max(num_decoding - 1, 0).bit_length()  # 1, 2, 4, 8, 16, ...
         bucket = self._buckets.get(key)
         if bucket is None:
             near = min(self._buckets, key=lambda k: abs(k.bit_length() - key.bit_length()), default=None)
             best = self._buckets[near].best if near is not None else ARMS[0]
+            predicted = self._predicted_drafting(num_decoding, full_tokens)
+            if predicted is not None and predicted < 1:
+                best = "plain"
             bucket = self._buckets[key] = _Bucket(best, self.arms, small=key <= SMALL_BATCH)
+            if best == "plain" and predicted is not None and predicted < 1:
+                plain_ms = self.batch_curve(num_decoding)
+                lost_ms = (BURST + 1) * self._drafting_ms(full_tokens) * (1 - predicted)  # + its catch-up
+                first = max(FIRST_LOOK, round(lost_ms / EXPLORE_SHARE / plain_ms))
+                for arm in bucket.arms:
+                    if arm != "plain":
+                        bucket.next_explore[arm] = max(bucket.next_explore[arm], first)
         return bucket
+
+    def _predicted_drafting(self, num_decoding: int, full_tokens: int | None) -> float | None:
+        """The cost model's drafting yield over plain's at this batch: tau over the time of drafting and
+        verifying full_tokens (the drafter's time per token as measured so far, none before), against
+        one token over a plain step of as many sessions; None without full_tokens."""
+        if not full_tokens or full_tokens <= num_decoding:
+            return None
+        return self.tau * self.batch_curve(num_decoding) / self._drafting_ms(full_tokens)
+
+    def _drafting_ms(self, full_tokens: int) -> float:
+        return self.cost_curve(full_tokens) + (self.draft_ms_per_token or 0.0) * full_tokens
