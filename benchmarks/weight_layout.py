@@ -25,13 +25,12 @@ def main() -> None:
     args = p.parse_args()
 
     import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
-
     from dflash.defaults import demo_pair
     from dflash.drafter.checkpoint import load_drafter
     from dflash.drafter.local import LocalDrafter
     from dflash.drafter.protocol import DraftRequest
     from dflash.loading import lay_out_for_device
+    from transformers import AutoModelForCausalLM, DynamicCache
 
     torch.set_num_threads(args.threads)
     target_dir, drafter_dir = demo_pair()
