@@ -22,8 +22,8 @@ A new batch size's start: drafting's yield is predicted as tau (committed tokens
 session-step, as measured so far; TAU_PRIOR before any) over the time of verifying every session's
 whole block (`cost_curve`) and drafting it (the drafter's time per token so far, extrapolated
 linearly: batched drafting costs less per token, so this leans to plain), plain's as one token over
-a plain step (`batch_curve`). Where plain is predicted to yield more, the bucket starts on plain and first tries
-drafting once what that burst is predicted to lose is EXPLORE_SHARE of the time since: on this CPU a
+a plain step (`batch_curve`). Where plain is predicted to yield more, the bucket starts on plain and
+first tries drafting once what that burst is predicted to lose is EXPLORE_SHARE of the time since: on this CPU a
 fresh service's first 16 streams started on full (no bucket near) and spent its first eight steps at
 150-190 ms each against a 25 ms plain step, 15% of a 9-second run.
 
@@ -237,7 +237,7 @@ MARGIN = 0.10  # another arm replaces the best one when it measures this much be
 # Committed tokens per drafting session-step before any is measured: 1 + 1/2 + 1/4 + ..., proposals
 # accepted at AcceptanceCalibration's starting rate of one half.
 TAU_PRIOR = 2.0
-TAU_WEIGHT = 0.05  # of each verified step in the running tau (about the last 20 steps)
+TAU_WEIGHT = 0.05  # of each step in the running tau and drafter cost (about the last 20 steps)
 
 
 @dataclass(frozen=True)
@@ -362,6 +362,11 @@ def _conclusive(burst: Sequence[tuple[float, float]], beside: Sequence[tuple[flo
     return abs(1 - ratio) > 2 * ratio * (rel_var(burst) + rel_var(beside)) ** 0.5
 
 
+def _running(average: float | None, value: float) -> float:
+    """An exponentially weighted running average (TAU_WEIGHT per value); the first value when none."""
+    return value if average is None else average + TAU_WEIGHT * (value - average)
+
+
 def _mean_ms(steps: Sequence[tuple[float, float]]) -> float:
     return sum(m for _, m in steps) / len(steps)
 
@@ -431,9 +436,7 @@ class MeasuredPolicy:
         (confident), none (plain)."""
         tokens = sum(p.numel() + 1 for p in probs)
         if decision.drafts and draft_ms > 0 and tokens:
-            per_token = draft_ms / tokens
-            last = self.draft_ms_per_token
-            self.draft_ms_per_token = per_token if last is None else last + TAU_WEIGHT * (per_token - last)
+            self.draft_ms_per_token = _running(self.draft_ms_per_token, draft_ms / tokens)
         if decision.arm == "confident":
             return choose_verify_lengths([self.calibration(p) for p in probs], base_tokens, self.cost_curve, draft_ms)
         return [p.numel() if decision.drafts else 0 for p in probs]
@@ -443,7 +446,7 @@ class MeasuredPolicy:
         if any(lengths):
             self.calibration.observe(probs, lengths, accepted)
             drafted = [a + 1 for k, a in zip(lengths, accepted) if k]
-            self.tau += TAU_WEIGHT * (sum(drafted) / len(drafted) - self.tau)
+            self.tau = _running(self.tau, sum(drafted) / len(drafted))
 
     def step_started(self, now: float) -> None:
         if self._open is not None:
@@ -480,10 +483,10 @@ class MeasuredPolicy:
             near = min(self._buckets, key=lambda k: abs(k.bit_length() - key.bit_length()), default=None)
             best = self._buckets[near].best if near is not None else ARMS[0]
             predicted = self._predicted_drafting(num_decoding, full_tokens)
-            if predicted is not None and predicted < 1:
-                best = "plain"
-            bucket = self._buckets[key] = _Bucket(best, self.arms, small=key <= SMALL_BATCH)
-            if best == "plain" and predicted is not None and predicted < 1:
+            starts_plain = predicted is not None and predicted < 1
+            bucket = self._buckets[key] = _Bucket("plain" if starts_plain else best, self.arms,
+                                                  small=key <= SMALL_BATCH)
+            if starts_plain:
                 plain_ms = self.batch_curve(num_decoding)
                 lost_ms = (BURST + 1) * self._drafting_ms(full_tokens) * (1 - predicted)  # + its catch-up
                 first = max(FIRST_LOOK, round(lost_ms / EXPLORE_SHARE / plain_ms))
