@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-prompt=${1:-"def fibonacci(n):"}
+prompt=${1:-"def read_csv(path):"}
 log=$(mktemp -t dflash-serve.XXXXXX.log)
 dflash serve > "$log" 2>&1 &
 server=$!

@@ -331,20 +331,21 @@ def test_a_drafters_catch_up_does_not_keep_the_policy_on_plain():
     assert policy.best(1)[0] == "full" and arms[300:].count("full") >= 0.85 * 300
 
 
-def test_a_hard_start_that_loses_by_less_than_its_scatter_is_tried_again_soon():
+@pytest.mark.parametrize("scatter", [(0.4, 1.3, 0.6, 1.1, 0.3, 1.4, 0.9, 0.8), (0.85,) * 8],
+                         ids=["scattering", "clear-cut"])
+def test_a_lone_streams_hard_start_does_not_keep_it_on_plain(scatter):
     """A lone stream whose first tens of tokens are hard: its drafting steps commit 1 to 3 tokens
-    (0.85x plain on average, each step's yield scattering far more), then its text turns predictable
-    (2.5x). That first loss says little; drafting is tried again within the stream and wins it back,
-    where a loss by as little, clear-cut, waits out most of the stream."""
+    (0.85x plain on average, each step's yield scattering far more, or not at all), then its text turns
+    predictable (2.5x). That first loss says how hard a few tokens were; drafting is tried again within
+    the stream and wins it back."""
     policy, clock, step = MeasuredPolicy(CostCurve.flat()), [0.0], [0]
-    scatter = (0.4, 1.3, 0.6, 1.1, 0.3, 1.4, 0.9, 0.8)  # mean 0.85
 
     def rate(arm):
         step[0] += 1
         if arm == "plain":
             return 1.0
         base = 0.85 if step[0] <= 40 else 2.5
-        return base * scatter[step[0] % len(scatter)] / 0.85
+        return base * scatter[step[0] % len(scatter)] / (sum(scatter) / len(scatter))
 
     step_s = {"full": 0.27, "confident": 0.27, "plain": 0.1}.__getitem__
     drive(policy, 60, 1, {"full": 0.85, "confident": 0.85, "plain": 1.0}.__getitem__, clock, step_s, fresh=1)
@@ -422,8 +423,11 @@ def test_a_new_lone_stream_is_looked_at_afresh():
     next one, whose drafting is tried within FIRST_LOOK steps (a bigger batch keeps its schedule)."""
     policy, clock = MeasuredPolicy(CostCurve.flat()), [0.0]
     hard, easy = {"full": 0.4, "confident": 0.4, "plain": 1.0}, {"full": 3.0, "confident": 2.5, "plain": 1.0}
-    drive(policy, 600, 1, hard.__getitem__, clock)
+    arms = drive(policy, 600, 1, hard.__getitem__, clock)
     assert policy.best(1)[0] == "plain"
+    # The hard stream explores drafting now and then (its text may change); go on to just after a burst.
+    while not (arms[-2] != "plain" and arms[-1] == "plain"):
+        arms = arms[-1:] + drive(policy, 1, 1, hard.__getitem__, clock)
     same = drive(policy, FIRST_LOOK + 2, 1, easy.__getitem__, clock)  # the hard stream goes on
     assert set(same) == {"plain"}
     arms = drive(policy, 120, 1, easy.__getitem__, clock, fresh=1)  # another one starts

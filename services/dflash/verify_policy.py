@@ -18,14 +18,14 @@ changes only for an arm that beats it by MARGIN (a switch to drafting costs a dr
 batch size not seen before starts from the best arm of the nearest one, unless the cost model says
 plain pays there (below); the cost model proposes; measurements decide.
 
-A new batch size's start: drafting's yield is predicted as tau (committed tokens per drafting
-session-step, as measured so far; TAU_PRIOR before any) over the time of verifying every session's
-whole block (`cost_curve`) and drafting it (the drafter's time per token so far, extrapolated
-linearly: batched drafting costs less per token, so this leans to plain), plain's as one token over
-a plain step (`batch_curve`). Where plain is predicted to yield more, the bucket starts on plain and
-first tries drafting once what that burst is predicted to lose is EXPLORE_SHARE of the time since: on this CPU a
-fresh service's first 16 streams started on full (no bucket near) and spent its first eight steps at
-150-190 ms each against a 25 ms plain step, 15% of a 9-second run.
+A new batch size's start (of more than SMALL_BATCH sessions): drafting's yield is predicted as tau
+(committed tokens per drafting session-step, as measured so far; TAU_PRIOR before any) over the time of
+verifying every session's whole block (`cost_curve`) and drafting it (the drafter's time per token so
+far, extrapolated linearly: batched drafting costs less per token, so this leans to plain), plain's as
+one token over a plain step (`batch_curve`). Where plain is predicted to yield more, the bucket starts
+on plain and first tries drafting once what that burst is predicted to lose is EXPLORE_SHARE of the time
+since: on this CPU a fresh service's first 16 streams started on full (no bucket near) and spent its
+first eight steps at 150-190 ms each against a 25 ms plain step, 15% of a 9-second run.
 
 The confident arm's model: verifying k proposals of session i commits, in expectation,
 1 + sum_{j<=k} prod_{l<=j} p_il tokens, where p_il is how often the target accepted proposals to which
@@ -224,7 +224,7 @@ PLAIN_CLEAR = 1 + 2 * 0.10
 FIRST_LOOK = 8  # steps into a new batch size (or a new lone stream) before its other arms are first tried
 SMALL_BATCH = 2  # sessions: a batch this small is looked at afresh when most of its sessions are new
 BURST = 3  # measured steps per exploration (a drafting burst after plain steps runs one more: see _Bucket)
-DRAFT_SAMPLE = 16  # session-steps a drafting burst measures at least (16 steps of a lone stream)
+DRAFT_SAMPLE = 8  # session-steps a drafting burst measures at least (8 steps of a lone stream)
 # The best arm's steps just before a burst, which the burst is held against: enough that a drafting
 # arm's yield, which swings with how predictable the text is for a few tokens, averages over more
 # than one hard or easy stretch (with 6, a lone stream went plain for a run of four hard tokens).
@@ -232,7 +232,7 @@ BESIDE = 16
 CONFIRM = 6  # steps before an arm that looked better is tried again, to confirm it
 KEEP = 2  # explorations of an arm averaged into its ratio to the best
 EXPLORE_SHARE = 0.03  # of the time, what exploring arms that lose may cost
-INCONCLUSIVE_BACKOFF = 8  # at most this many burst lengths between inconclusive explorations
+SMALL_BACKOFF = 8  # at most this many burst lengths between a small batch's drafting explorations
 MARGIN = 0.10  # another arm replaces the best one when it measures this much better (switching costs)
 # Committed tokens per drafting session-step before any is measured: 1 + 1/2 + 1/4 + ..., proposals
 # accepted at AcceptanceCalibration's starting rate of one half.
@@ -310,16 +310,19 @@ class _Bucket:
             beside_ms = _mean_ms(self.beside)
             lost_ms = (sum(m for _, m in burst) + self.warmup_ms) * max(1.0 - last, 0.0)
             gap = max(gap * _mean_ms(burst) / beside_ms, lost_ms / EXPLORE_SHARE / beside_ms)
-            if self.small and arm != "plain" and last < 1 and not _conclusive(burst, self.beside, last):
-                # A drafting burst that lost by less than its steps swing (a lone stream's commit 1 to
-                # 16 tokens a step with the text) says little: the hard start of a stream that turns
-                # predictable lost 0.8-0.9x and, by the rule above, waited past its 128th token. It is
-                # tried again after as long as it ran, twice as long after each such loss in a row.
-                # Not in a bigger batch: its sessions average the text out, what scatters there is the
-                # machine (through the service, 16 streams drafted at tau 2.5 and lost 20% by it), and
-                # a drafting step costs up to six plain ones.
+            if self.small and arm != "plain" and last < 1:
+                # A lone stream's loss says how hard its text was for a few tokens, and its text
+                # changes: serving_path's and the demo's prompts are hard for their first 20-40 tokens
+                # (drafting steps commit 1-3 tokens) and predictable after (5-16). By the rule above a
+                # first look that fell in the hard start waited past the stream's end (the demo's
+                # prompt: tau 1.65-1.70 in 3 of 5 fresh engines, against 2.89 verifying every block).
+                # Drafting is tried again after as long as it ran, twice as long after each loss in a
+                # row, at most SMALL_BACKOFF times: a drafter that keeps losing is then run a ninth of
+                # the time. Not in a bigger batch: its sessions average the text out, what scatters
+                # there is the machine (through the service, 16 streams drafted at tau 2.5 and lost 20%
+                # by it), and a drafting step costs up to six plain ones.
                 burst_ms = sum(m for _, m in burst) + self.warmup_ms
-                gap = burst_ms * min(1 << max(self.losses[arm] - 1, 0), INCONCLUSIVE_BACKOFF) / beside_ms
+                gap = burst_ms * min(1 << max(self.losses[arm] - 1, 0), SMALL_BACKOFF) / beside_ms
         self.next_explore[arm] = self.steps + max(round(gap), CONFIRM)
         if self.best == "plain" and last <= 0.95:
             # Drafting lost here: the other drafting arms wait as long (one drafting burst of 16
@@ -347,19 +350,6 @@ def _explore_gap(last: float, losses: int) -> int:
     if last > 1 + MARGIN:
         return CONFIRM
     return EXPLORE_EVERY * min(1 << max(losses - 1, 0), 4)
-
-
-def _conclusive(burst: Sequence[tuple[float, float]], beside: Sequence[tuple[float, float]], ratio: float) -> bool:
-    """Whether `ratio` (the burst's rate over the best arm's beside it) is off 1 by more than twice its
-    standard error, from how the steps' own rates scatter on both sides."""
-    def rel_var(steps: Sequence[tuple[float, float]]) -> float:
-        rates = [v / m for v, m in steps if m > 0]
-        mean = sum(rates) / len(rates) if rates else 0.0
-        if len(rates) < 2 or mean <= 0:
-            return 0.0
-        return sum((r - mean) ** 2 for r in rates) / (len(rates) - 1) / mean**2 / len(rates)
-
-    return abs(1 - ratio) > 2 * ratio * (rel_var(burst) + rel_var(beside)) ** 0.5
 
 
 def _running(average: float | None, value: float) -> float:
@@ -483,7 +473,10 @@ class MeasuredPolicy:
             near = min(self._buckets, key=lambda k: abs(k.bit_length() - key.bit_length()), default=None)
             best = self._buckets[near].best if near is not None else ARMS[0]
             predicted = self._predicted_drafting(num_decoding, full_tokens)
-            starts_plain = predicted is not None and predicted < 1
+            # Not a batch of one or two: there a drafting step costs two or three plain ones, so a first
+            # look costs little, and the prediction's tau (the prior, or another batch's) is not its
+            # text's: a fresh engine's lone stream started on plain and stayed there (tau 1.03).
+            starts_plain = predicted is not None and predicted < 1 and key > SMALL_BATCH
             bucket = self._buckets[key] = _Bucket("plain" if starts_plain else best, self.arms,
                                                   small=key <= SMALL_BATCH)
             if starts_plain:
