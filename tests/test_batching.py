@@ -426,8 +426,12 @@ def test_a_new_lone_stream_is_looked_at_afresh():
     arms = drive(policy, 600, 1, hard.__getitem__, clock)
     assert policy.best(1)[0] == "plain"
     # The hard stream explores drafting now and then (its text may change); go on to just after a burst.
-    while not (arms[-2] != "plain" and arms[-1] == "plain"):
+    for _ in range(1000):
+        if arms[-2] != "plain" and arms[-1] == "plain":
+            break
         arms = arms[-1:] + drive(policy, 1, 1, hard.__getitem__, clock)
+    else:
+        pytest.fail("the hard lone stream never explored drafting again")
     same = drive(policy, FIRST_LOOK + 2, 1, easy.__getitem__, clock)  # the hard stream goes on
     assert set(same) == {"plain"}
     arms = drive(policy, 120, 1, easy.__getitem__, clock, fresh=1)  # another one starts

@@ -308,9 +308,11 @@ class _Bucket:
             # kept 16 streams for seconds). And what a losing burst cost, its catch-up included, is
             # at most EXPLORE_SHARE of the time until the next one.
             beside_ms = _mean_ms(self.beside)
-            lost_ms = (sum(m for _, m in burst) + self.warmup_ms) * max(1.0 - last, 0.0)
-            gap = max(gap * _mean_ms(burst) / beside_ms, lost_ms / EXPLORE_SHARE / beside_ms)
-            if self.small and arm != "plain" and last < 1:
+            burst_ms = sum(m for _, m in burst) + self.warmup_ms
+            if not (self.small and arm != "plain" and last < 1):
+                lost_ms = burst_ms * max(1.0 - last, 0.0)
+                gap = max(gap * _mean_ms(burst) / beside_ms, lost_ms / EXPLORE_SHARE / beside_ms)
+            else:
                 # A lone stream's loss says how hard its text was for a few tokens, and its text
                 # changes: serving_path's and the demo's prompts are hard for their first 20-40 tokens
                 # (drafting steps commit 1-3 tokens) and predictable after (5-16). By the rule above a
@@ -321,7 +323,6 @@ class _Bucket:
                 # the time. Not in a bigger batch: its sessions average the text out, what scatters
                 # there is the machine (through the service, 16 streams drafted at tau 2.5 and lost 20%
                 # by it), and a drafting step costs up to six plain ones.
-                burst_ms = sum(m for _, m in burst) + self.warmup_ms
                 gap = burst_ms * min(1 << max(self.losses[arm] - 1, 0), SMALL_BACKOFF) / beside_ms
         self.next_explore[arm] = self.steps + max(round(gap), CONFIRM)
         if self.best == "plain" and last <= 0.95:
@@ -473,9 +474,9 @@ class MeasuredPolicy:
             near = min(self._buckets, key=lambda k: abs(k.bit_length() - key.bit_length()), default=None)
             best = self._buckets[near].best if near is not None else ARMS[0]
             predicted = self._predicted_drafting(num_decoding, full_tokens)
-            # Not a batch of one or two: there a drafting step costs two or three plain ones, so a first
-            # look costs little, and the prediction's tau (the prior, or another batch's) is not its
-            # text's: a fresh engine's lone stream started on plain and stayed there (tau 1.03).
+            # Only above SMALL_BATCH: in a batch of one or two a drafting step costs two or three plain
+            # ones, so a first look costs little, and the prediction's tau (the prior, or another
+            # batch's) is not its text's: a fresh engine's lone stream started on plain and stayed there.
             starts_plain = predicted is not None and predicted < 1 and key > SMALL_BATCH
             bucket = self._buckets[key] = _Bucket("plain" if starts_plain else best, self.arms,
                                                   small=key <= SMALL_BATCH)
