@@ -80,6 +80,20 @@ class IngressServicer(generate_pb2_grpc.GenerationServicer):
         return self.verifier.stream_async(verify, carrier)
 
 
+def install_span_exporter(exporter) -> None:
+    """Send every finished span to `exporter` too. OpenTelemetry's global tracer provider can be set
+    once per process, so modules add their exporters to the one SDK provider the first of them set."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+
 def wait_until(predicate, timeout_s: float = 10.0, what: str = "the condition", interval_s: float = 0.02):
     """Poll `predicate` until it is true (returns its value) or fail after `timeout_s`, naming `what`."""
     import time

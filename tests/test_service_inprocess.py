@@ -22,11 +22,8 @@ from dflash.service.messages import StreamError, VerifyRequest
 from dflash.service.parts import build_draft_sessions, build_verifier_engine
 from dflash.service.session_store import RedisSessionStore
 from dflash.service.verifier import Verifier
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from service_fixtures import model_dirs, redis_server, redis_url, wait_until  # noqa: F401
+from service_fixtures import install_span_exporter, model_dirs, redis_server, redis_url, wait_until  # noqa: F401
 
 PROMPTS = ["def f(x):\n    return", "import os\nprint(", "a = [1, 2, 3]\nb ="]
 EXPORTER = InMemorySpanExporter()
@@ -34,10 +31,7 @@ EXPORTER = InMemorySpanExporter()
 
 @pytest.fixture(scope="module", autouse=True)
 def tracer_provider():
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
-    trace.set_tracer_provider(provider)
-    yield provider
+    install_span_exporter(EXPORTER)
 
 
 def config_for(model_dirs, redis_url, **kw):

@@ -65,6 +65,7 @@ own request counts. The ingress asks for no CPU: the head offers none (only its 
 {{- $_ := set $args "limits" $limits }}
 {{- $_ := set $args "scheduler" $scheduler }}
 {{- $_ := set $args "torch_threads" (int $v.torchThreads) }}
+{{- $_ := set $args "engine_process" $v.engineProcess }}
 {{- $_ := set $args "metrics" $v.metrics }}
 {{- $_ := set $args "reflection" $v.grpc.reflection }}
 {{- /* Only `enabled`: on a cluster http_options (dflash.serveConfig) place the HTTP proxy, not openai.host/port. */}}

@@ -30,14 +30,14 @@ import torch
 from .delivery import StepDelivery
 from .draft_pipeline import DraftPipeline, cohort_split
 from .drafter.protocol import Draft, Drafter, DraftRequest
-from .errors import DFlashError, InvalidRequestError
+from .errors import DFlashError
 from .generation import Generation, OutputListener, RoundOutput
 from .intake import RequestLimits, new_generation
 from .journal import RoundJournal
 from .params import SamplingParams
 from .rounds import accept_length, committed_tokens
 from .sampling import sample_rows
-from .scheduler import MAX_STREAM_INTERVAL_MS, Scheduler, SchedulerConfig, StepPlan
+from .scheduler import Scheduler, SchedulerConfig, StepPlan
 from .stats import GenerationStats, RoundStats
 from .target import ForwardItem, PackedOutput, TargetModel, TargetOutput
 from .verify_policy import ARMS, PIPED, CostCurve, Decision, MeasuredPolicy, measure_batch_cost, measure_target_cost
@@ -174,15 +174,9 @@ class SpeculativeEngine:
         it used: generation continues exactly where it stopped (nothing repeated, nothing lost).
         `stream_interval_ms` overrides the engine's stream interval for this request (0: every round).
         """
-        gen = new_generation(self.limits, prompt_ids, params, tokenizer=self.tokenizer,
-                             eos_token_ids=self.eos_token_ids, request_id=request_id, committed_ids=committed_ids,
-                             seed=seed)
-        if stream_interval_ms is not None:
-            if not 0 <= stream_interval_ms <= MAX_STREAM_INTERVAL_MS:
-                raise InvalidRequestError("stream_interval_ms", f"must be between 0 and {MAX_STREAM_INTERVAL_MS}, "
-                                          f"got {stream_interval_ms}")
-            gen.stream_interval_s = stream_interval_ms / 1000
-        return gen
+        return new_generation(self.limits, prompt_ids, params, tokenizer=self.tokenizer,
+                              eos_token_ids=self.eos_token_ids, request_id=request_id, committed_ids=committed_ids,
+                              seed=seed, stream_interval_ms=stream_interval_ms)
 
     def submit(self, gen: Generation) -> None:
         """Queue a request for the step loop; QueueFullError when the queue is full."""

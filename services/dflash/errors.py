@@ -19,3 +19,7 @@ class InvalidRequestError(DFlashError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def __reduce__(self) -> tuple:  # pickled as it was made (the engine process sends it to its replica)
+        return type(self), (self.field, self.message)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from .errors import InvalidRequestError
 from .generation import Generation
 from .params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
+from .scheduler import MAX_STREAM_INTERVAL_MS
 from .textstream import TextStream
 
 if TYPE_CHECKING:
@@ -40,12 +41,17 @@ def new_generation(
     request_id: str | None = None,
     committed_ids: list[int] | None = None,
     seed: int | None = None,
+    stream_interval_ms: float | None = None,
 ) -> Generation:
     """A checked request's state (not yet queued); InvalidRequestError naming the field otherwise.
 
     With `committed_ids` and the `seed` a request used, it continues exactly where it stopped: the
     committed tokens are prefilled with the prompt and their text counts as already streamed.
+    `stream_interval_ms` overrides the engine's stream interval for this request (0: every round).
     """
+    if stream_interval_ms is not None and not 0 <= stream_interval_ms <= MAX_STREAM_INTERVAL_MS:
+        raise InvalidRequestError("stream_interval_ms", f"must be between 0 and {MAX_STREAM_INTERVAL_MS}, "
+                                  f"got {stream_interval_ms}")
     prompt = check_prompt(limits, prompt_ids)
     params = fit_context(limits, len(prompt), params)
     block_size = check_block_size(limits, params)
@@ -71,6 +77,8 @@ def new_generation(
             gen.text.push(gen.output_ids)
             gen.text.emitted = len(gen.text.text)  # already streamed before the interruption
     gen.prefill_ids = gen.prompt_ids + gen.output_ids[:-1]
+    if stream_interval_ms is not None:
+        gen.stream_interval_s = stream_interval_ms / 1000
     return gen
 
 

@@ -161,7 +161,13 @@ class VerifierDeployment(PublicAPI):
         set_threads(cfg)
         metrics = _setup(cfg, "dflash-verifier")
         store = _store(cfg)
-        engine = build_verifier_engine(cfg, store, metrics)
+        if cfg.runs_engine_process:
+            from .engine_process import EngineProcess
+            from .step_telemetry import StepTelemetry
+
+            engine = self.engine = EngineProcess(config, StepTelemetry(metrics))
+        else:
+            engine = self.engine = build_verifier_engine(cfg, store, metrics)
         engine.start_loop()  # one thread steps all streams; they are coroutines on this replica's loop
         self.verifier = Verifier(engine, store, cfg.model_name, metrics)
         self.ingress = Ingress(cfg, metrics)
@@ -175,10 +181,20 @@ class VerifierDeployment(PublicAPI):
         """Answers once the engine is up (health's ping where the store is in-process)."""
         return True
 
+    def check_health(self) -> None:
+        """Serve's replica health check: a replica whose engine process died is replaced."""
+        alive = getattr(self.engine, "alive", True)
+        if not alive:
+            self.lease.stop()  # no new stream is routed here meanwhile (health counts live leases)
+            raise RuntimeError("the engine process is gone")
+
     def __del__(self) -> None:
         lease = getattr(self, "lease", None)
         if lease is not None:
             lease.stop()
+        close = getattr(getattr(self, "engine", None), "close", None)
+        if close is not None:
+            close()
 
     async def stream(self, verify: VerifyRequest, carrier: dict[str, str],
                      consumer: Consumer | None = None) -> AsyncIterator[generate_pb2.GenerateChunk | StreamError]:
@@ -192,7 +208,7 @@ class VerifierDeployment(PublicAPI):
         return self.verifier.stream_async(verify, carrier)  # Serve cancels it when the proxy's call ends
 
     async def _ping_self(self) -> bool:
-        return True
+        return getattr(self.engine, "alive", True)
 
 
 @serve.deployment(name="drafter")

@@ -238,6 +238,11 @@ class ServiceConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     openai: OpenAIConfig = field(default_factory=OpenAIConfig)
+    # Co-located with a Redis store: the verifier replica runs its engine in a child process
+    # (engine_process.py), so that the threads relaying streams share no GIL with the forward (measured
+    # in docs/service.md); false keeps the engine in the replica's own process. Disaggregated mode and
+    # the in-memory store always keep it there.
+    engine_process: bool = True
     torch_threads: int = 0  # per replica; 0 leaves torch's default
     # The niceness of the Ray workers `dflash serve` starts (its replicas and Serve's proxy). Ray's own is 15,
     # below its system processes (dashboard agent, log monitor, GCS): a replica that is the node's work then
@@ -259,6 +264,10 @@ class ServiceConfig:
                               "is 15; 0 runs the replicas level with Ray's own processes)")
         if self.tls.enabled and self.tls.upstream_port and self.tls.upstream_port == self.grpc_port:
             raise ConfigError(f"tls.upstream_port: must differ from grpc_port ({self.grpc_port}), where TLS is served")
+
+    @property
+    def runs_engine_process(self) -> bool:
+        return self.engine_process and self.mode == "colocated" and not self.redis.url.startswith("memory://")
 
     @property
     def model_name(self) -> str:

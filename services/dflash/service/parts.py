@@ -8,7 +8,7 @@ from ..defaults import demo_pair
 from ..drafter.checkpoint import check_compatible, load_drafter
 from ..drafter.config import DFlashConfig
 from ..drafter.local import LocalDrafter
-from ..engine import SpeculativeEngine
+from ..engine import SpeculativeEngine, StepObserver
 from ..loading import build_engine, lay_out_for_device, resolve_device, resolve_dtype
 from ..target_heads import load_target_heads
 from .config import ServiceConfig
@@ -31,9 +31,11 @@ def set_threads(config: ServiceConfig) -> None:
         torch.set_num_threads(config.torch_threads)
 
 
-def build_verifier_engine(config: ServiceConfig, store: SessionStore, metrics: ServiceMetrics) -> SpeculativeEngine:
+def build_verifier_engine(config: ServiceConfig, store: SessionStore, metrics: ServiceMetrics | None,
+                          observer: StepObserver | None = None) -> SpeculativeEngine:
     """Co-located: the drafter in this process. Disaggregated: a RemoteDrafter (only the drafter's config is
-    read here). Rounds are journaled to the session store, steps reported to metrics and traces."""
+    read here). Rounds are journaled to the session store, steps reported to `observer` (metrics and
+    traces by default; an engine process sends them to its replica instead)."""
     target_dir, drafter_dir = model_dirs(config)
 
     def remote(draft_config: DFlashConfig) -> RemoteDrafter:
@@ -41,7 +43,7 @@ def build_verifier_engine(config: ServiceConfig, store: SessionStore, metrics: S
                              draft_config.target_layer_ids, config.drafter_net, metrics)
 
     return build_engine(target_dir, drafter_dir, device=config.model.device, dtype=config.model.dtype,
-                        scheduler=config.scheduler, observer=StepTelemetry(metrics), journal=store,
+                        scheduler=config.scheduler, observer=observer or StepTelemetry(metrics), journal=store,
                         remote_drafter=remote if config.mode == "disaggregated" else None)
 
 

@@ -57,6 +57,15 @@ class StepTelemetry:
         self.metrics.record_step(report.num_tokens, report.verify_lengths, (report.end_ns - report.start_ns) / 1e9,
                                  report.num_running, report.num_waiting)
 
+    def on_remote_step(self, report: StepReport) -> None:
+        """A step the engine made in its own process (engine_process.py): its `dflash.step` span is given
+        the step's own times, as `step_scope` would have."""
+        step = tracing.tracer().start_span("dflash.step", context=trace.set_span_in_context(trace.INVALID_SPAN),
+                                           start_time=report.start_ns)
+        with trace.use_span(step, end_on_exit=False):
+            self.on_step(report)
+        step.end(end_time=report.end_ns)
+
     def on_sessions(self, num_running: int, num_waiting: int) -> None:
         # After the engine retired what its step finished, failed or cancelled: the gauges read 0 on a
         # server idle since its last request, also after a cancel that no step followed.

@@ -23,6 +23,7 @@ from ..output_hub import AsyncOutputs
 from ..params import SamplingParams
 from ..scheduler import QueueFullError
 from . import tracing
+from .engine_process import EngineProcess, EngineProcessError
 from .messages import StreamError, VerifyRequest
 from .metrics import ServiceMetrics
 from .session_store import (
@@ -41,10 +42,12 @@ class Verifier:
 
     `stream_async` is the server's path: the stream is a coroutine on the caller's event loop, woken
     once per step for all its streams (output_hub.py), with the session store's calls in worker
-    threads. `stream` is the same relay read from a thread (in-process uses and tests).
+    threads. `stream` is the same relay read from a thread (in-process uses and tests). `engine` is a
+    SpeculativeEngine, or an EngineProcess (engine_process.py: the same calls, the engine in a child
+    process, as `dflash serve` runs it).
     """
 
-    def __init__(self, engine: SpeculativeEngine, store: SessionStore, model_name: str = "",
+    def __init__(self, engine: SpeculativeEngine | EngineProcess, store: SessionStore, model_name: str = "",
                  metrics: ServiceMetrics | None = None) -> None:
         self.engine = engine
         self.store = store
@@ -227,7 +230,8 @@ class _Relay:
 def _stream_error(exc: DFlashError) -> StreamError:
     """The gRPC error a client gets for what ended its request (re-raised when it is our own fault)."""
     for kind, code in ((InvalidRequestError, "INVALID_ARGUMENT"), (SessionNotFoundError, "NOT_FOUND"),
-                       (SessionFencedError, "ABORTED"), (StoreUnavailableError, "UNAVAILABLE")):
+                       (SessionFencedError, "ABORTED"), (StoreUnavailableError, "UNAVAILABLE"),
+                       (EngineProcessError, "UNAVAILABLE")):
         if isinstance(exc, kind):
             return StreamError(code, str(exc))
     raise exc
