@@ -31,7 +31,7 @@ from .delivery import StepDelivery
 from .draft_pipeline import DraftPipeline, cohort_split
 from .drafter.protocol import Draft, Drafter, DraftRequest
 from .errors import DFlashError
-from .generation import Generation, OutputListener, RoundOutput
+from .generation import Generation, RoundOutput, wake
 from .intake import RequestLimits, new_generation
 from .journal import RoundJournal
 from .params import SamplingParams
@@ -303,17 +303,10 @@ class SpeculativeEngine:
         """Wake the streams whose output is worth a message now: one call per listener (an asyncio
         consumer) for all its streams, a thread's event for the others."""
         now, interval_s = time.perf_counter(), self.config.stream_interval_ms / 1000
-        listeners: dict[int, tuple[OutputListener, list[Generation]]] = {}
-        for gen in gens:
-            if not gen.worth_streaming(now, interval_s):
-                continue
+        woken = [gen for gen in gens if gen.worth_streaming(now, interval_s)]
+        for gen in woken:
             gen.woken_at = now
-            if gen.listener is None:
-                gen.wakeup.set()
-            else:
-                listeners.setdefault(id(gen.listener), (gen.listener, []))[1].append(gen)
-        for listener, woken in listeners.values():
-            listener.publish(woken)
+        wake(woken)
 
     def _run(self, plan: StepPlan) -> list[tuple[Generation, RoundOutput]]:
         """The step's forward and commits: each session's round, for delivery (stored, then streamed)."""

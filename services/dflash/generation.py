@@ -27,6 +27,19 @@ class OutputListener(Protocol):
         ...
 
 
+def wake(gens: list[Generation]) -> None:
+    """Wake these streams: one `publish` per listener (an asyncio consumer) for all its streams, a
+    thread's event for the others."""
+    listeners: dict[int, tuple[OutputListener, list[Generation]]] = {}
+    for gen in gens:
+        if gen.listener is None:
+            gen.wakeup.set()
+        else:
+            listeners.setdefault(id(gen.listener), (gen.listener, []))[1].append(gen)
+    for listener, woken in listeners.values():
+        listener.publish(woken)
+
+
 @dataclass(frozen=True)
 class RoundOutput:
     """What one round adds to the stream: committed token ids, their text, and the round's numbers.

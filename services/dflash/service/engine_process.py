@@ -42,7 +42,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from ..errors import DFlashError
-from ..generation import Generation, OutputListener, RoundOutput
+from ..generation import Generation, RoundOutput, wake
 from ..intake import RequestLimits, new_generation
 from ..params import SamplingParams
 from ..scheduler import SchedulerConfig
@@ -265,7 +265,7 @@ class EngineProcess:
                     gen.ended = True
                     del self._gens[request_id]
                 woken.append(gen)
-        _wake(woken)
+        wake(woken)
 
     def _on_step(self, step: RemoteStep) -> None:
         if self.observer is None:
@@ -298,19 +298,7 @@ class EngineProcess:
         for gen in gens:
             gen.error = gen.error or error
             gen.ended = True
-        _wake(gens)
-
-
-def _wake(gens: list[Generation]) -> None:
-    """As the engine's _publish: one call per listener for all its streams, a thread's event otherwise."""
-    listeners: dict[int, tuple[OutputListener, list[Generation]]] = {}
-    for gen in gens:
-        if gen.listener is None:
-            gen.wakeup.set()
-        else:
-            listeners.setdefault(id(gen.listener), (gen.listener, []))[1].append(gen)
-    for listener, woken in listeners.values():
-        listener.publish(woken)
+        wake(gens)
 
 
 # -- the child ------------------------------------------------------------------------------------
