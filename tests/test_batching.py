@@ -331,6 +331,53 @@ def test_a_drafters_catch_up_does_not_keep_the_policy_on_plain():
     assert policy.best(1)[0] == "full" and arms[300:].count("full") >= 0.85 * 300
 
 
+def _drive_catching_up(policy, steps, catch_up_ms, clock, sessions=16):
+    """Like drive() at a batch of 16 where full drafting commits 0.9x of plain per step period, but its
+    first step after plain ones also takes `catch_up_ms` per session and plain step since the last draft
+    (the drafter taking in their context); -> the arms chosen."""
+    arms, since = [], 0
+    for _ in range(steps):
+        policy.step_started(clock[0])
+        decision = policy.decide(sessions, 0)
+        arms.append(decision.arm)
+        seconds = 0.1 + (since * sessions * catch_up_ms / 1000 if decision.drafts else 0.0)
+        since = 0 if decision.drafts else since + 1
+        committed = round((0.9 if decision.drafts else 1.0) * sessions * 100)
+        policy.step_ran(decision, clock[0], sessions, committed, 0)
+        clock[0] += seconds
+    policy.step_started(clock[0])
+    return arms
+
+
+@pytest.mark.parametrize("catch_up_ms, looks", [(0.5, "never again"), (0.001, "on a schedule")])
+def test_a_big_batch_on_plain_looks_at_drafting_only_where_its_catch_up_leaves_room(catch_up_ms, looks):
+    """In a big batch a tie goes to plain, and a look at drafting after plain steps costs a catch-up
+    that grows with every plain step before it. Where that cost per plain step alone is more than
+    the share of time explorations may take (a CPU: 8 ms per 100 ms step here), drafting is not looked
+    at again once measured; where it is small (a GPU) it is looked at on a schedule."""
+    policy, clock = MeasuredPolicy(CostCurve.flat(), arms=("full", "plain")), [0.0]
+    policy._bucket(16, 16 * 16)  # a 16-session batch the cost model starts on plain (it is predicted to tie)
+    policy._buckets[16].best = "plain"
+    arms = _drive_catching_up(policy, 2000, catch_up_ms, clock)
+    looks_at = [i for i in range(1, len(arms)) if arms[i] == "full" and arms[i - 1] == "plain"]
+    assert policy.best(16)[0] == "plain" and looks_at
+    if looks == "never again":
+        assert looks_at[-1] < 1000 and len(looks_at) <= 2
+    else:
+        assert len(looks_at) >= 4 and looks_at[-1] > 1000
+
+
+def test_steps_nobody_could_draft_in_are_not_the_policys():
+    """Block-size-1 requests only: the engine does not consult or tell the policy, so a batch size
+    first seen there is made later with the cost model's start, not the nearest bucket's arm."""
+    model = tiny_target()
+    engine = engine_for(model, tiny_drafter(model), config=SchedulerConfig(verify_policy="adaptive"))
+    plain = SamplingParams(max_new_tokens=6, block_size=1, ignore_eos=True)
+    for gen in [engine.generate([1, 2, 3 + i], plain) for i in range(4)]:
+        list(gen)
+    assert engine.policy._buckets == {}
+
+
 @pytest.mark.parametrize("scatter", [(0.4, 1.3, 0.6, 1.1, 0.3, 1.4, 0.9, 0.8), (0.85,) * 8],
                          ids=["scattering", "clear-cut"])
 def test_a_lone_streams_hard_start_does_not_keep_it_on_plain(scatter):

@@ -315,7 +315,10 @@ class SpeculativeEngine:
             self.policy.step_started(t0)
         prefill_tokens = sum(n for _, n in plan.prefills)
         sizes = [self._round_block_size(g) for g in plan.decodes]
-        decision = self._decide(sizes, sum(g.num_rounds == 0 for g in plan.decodes))
+        decision = self._decide(sizes, sum(g.num_rounds == 0 for g in plan.decodes), bool(plan.prefills))
+        # A step in which nobody could draft (block-size-1 requests only) is no arm's: the policy is not told
+        # of it (its bucket would be made without the cost model's start, and its measures mixed up).
+        chose = any(size > 1 for size in sizes)
         if not decision.drafts:
             sizes = [1] * len(sizes)
         if self.pipeline is None:
@@ -360,7 +363,7 @@ class SpeculativeEngine:
                                                           round_draft_ms):
             round_out = self._verify_round(gen, tokens, post, n, feats, ms, verify_ms, draft.replica, decision)
             report.rounds.append((gen, round_out))
-        if self.policy is not None:
+        if self.policy is not None and chose:
             emitted = sum(len(r.token_ids) for _, r in report.rounds)
             self.policy.step_ran(decision, t0, len(plan.decodes), emitted, prefill_tokens)
         for i, (gen, n) in enumerate(plan.prefills, start=num_decodes):
@@ -432,14 +435,14 @@ class SpeculativeEngine:
         return ([decodes[i] for i in verify], [h.draft if h else Draft.none() for h in held],
                 [h.ms if h else 0.0 for h in held])
 
-    def _decide(self, sizes: list[int], fresh: int) -> Decision:
+    def _decide(self, sizes: list[int], fresh: int, prefills: bool) -> Decision:
         """Whether this step drafts and how its proposals are verified (verify_policy.py); `fresh`: how
-        many of the sessions decode for the first time."""
+        many of the sessions decode for the first time; `prefills`: the step also prefills."""
         if not any(size > 1 for size in sizes):
             return Decision("plain", "nothing to draft")
         if self.policy is None:
             return Decision("full", "policy off")
-        return self.policy.decide(len(sizes), fresh, sum(sizes))
+        return self.policy.decide(len(sizes), fresh, sum(sizes), prefills)
 
     def _verify_lengths(self, decision: Decision, drafts: list[Draft], base_tokens: int, draft_ms: float) -> list[int]:
         if self.policy is None:

@@ -60,13 +60,19 @@ def gumbel_noise(seed: int, position: int, vocab_size: int, device: torch.device
     return -torch.log(-torch.log(uniform))
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of tied maxima, as `argmax`): `max`'s indices, which PyTorch's CPU
+    kernels find in a third of argmax's time on [16, 4096] rows."""
+    return logits.max(dim=-1).indices
+
+
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int) -> torch.Tensor:
     """Pick one token per row of logits [N, V]; row i predicts absolute position first_position + i.
 
     Returns a LongTensor [N] on the logits' device.
     """
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return greedy(logits)
     return _gumbel_argmax(filter_logits(logits, params), seed, first_position)
 
 
@@ -77,7 +83,7 @@ def sample_rows(logits: torch.Tensor, sessions: list[tuple[SamplingParams, int, 
     `sample_tokens` on its rows alone)."""
     if not sessions:
         return []
-    picks = logits.argmax(dim=-1)
+    picks = greedy(logits)
     sampled = [s for s in sessions if not s[0].greedy]
     if sampled:
         picks = picks.clone()
@@ -98,10 +104,14 @@ def propose_tokens(
     """
     if rule.greedy:
         if not with_probs:
-            return logits.argmax(dim=-1), None
-        tokens = logits.argmax(dim=-1)
-        probs = torch.softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        return tokens, probs
+            return greedy(logits), None
+        top, tokens = logits.max(dim=-1)
+        # The top token's softmax probability, 1 / sum(exp(logit - top)). Terms below e^-80 are clamped
+        # there: they are far below float32's rounding of the sum, and computed as they are, exp gives
+        # denormals, which x86 computes about 25x slower (a drafter's peaked [15, 4096] logits: 1 ms
+        # a round, 6% of a lone stream's round).
+        shifted = (logits.float() - top.float().unsqueeze(-1)).clamp_(min=-80.0)
+        return tokens, shifted.exp_().sum(dim=-1).reciprocal_()
     logprobs = filter_logits(logits, rule)
     tokens = _gumbel_argmax(logprobs, rule.seed, first_position)
     probs = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).exp() if with_probs else None

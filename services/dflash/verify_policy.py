@@ -253,18 +253,42 @@ class Decision:
         return self.arm != "plain"
 
 
+@dataclass
+class CatchUp:
+    """What a drafter's catch-up costs per session and plain step since its last draft (the context
+    rows it then takes in), as measured at the first step of drafting bursts after plain ones; None
+    before any. One per policy: it is the drafter's cost, whatever the batch."""
+
+    ms: float | None = None
+
+    def observe(self, ms: float) -> None:
+        self.ms = ms if self.ms is None else (self.ms + ms) / 2
+
+    def gap(self, lost_ms: float, plain_ms: float, sessions: int) -> float:
+        """Plain steps (of plain_ms) before a look at drafting that loses lost_ms besides its catch-up,
+        so that the look, catch-up included, costs EXPLORE_SHARE of the time; inf where the catch-up per
+        step alone costs more."""
+        budget = EXPLORE_SHARE * plain_ms - (self.ms or 0.0) * sessions
+        return lost_ms / budget if budget > 0 else float("inf")
+
+
 class _Bucket:
     """One batch size bucket: its best arm, each other arm's measured ratio to it, the schedule.
 
     A burst of another arm is held against the best arm's steps just before it, not against an
     average over a long window: what a step yields drifts (contexts grow, text gets more or less
     predictable, the machine gets busier), and only steps close in time compare. The first step of a
-    drafting burst after plain ones is not measured: its drafter catches up on all the context the
-    plain steps made, a cost paid once per switch (MARGIN stands for it), which counted in a burst of
-    three would keep drafting from ever winning back a stream it once lost (a lone stream whose text
-    turns predictable after a hard start)."""
+    drafting burst after plain ones is its drafter's catch-up on all the context the plain steps made,
+    a cost paid once per switch. In a batch of one or two it is left out of the ratio (MARGIN stands
+    for it): counted in a burst of three it would keep drafting from ever winning back a stream it
+    once lost (a lone stream whose text turns predictable after a hard start). In a bigger batch it
+    counts: there it is every session's context since the last draft (16 streams after 250 plain
+    steps: 418 ms, 25 plain steps), and a burst that won only without it switched 16 streams to full
+    drafting for the last, most predictable tokens of their texts and kept them drafting into the
+    hard start of the next ones (0.79x plain over the run)."""
 
-    def __init__(self, best: str, arms: tuple[str, ...] = ARMS, small: bool = False) -> None:
+    def __init__(self, best: str, arms: tuple[str, ...] = ARMS, small: bool = False,
+                 catch_up: CatchUp | None = None) -> None:
         self.arms = arms
         self.small = small  # a batch of one or two: its yield is its own text's (see judge)
         self.steps = 0
@@ -275,9 +299,25 @@ class _Bucket:
         others = [a for a in arms if a != best]
         self.next_explore = {a: FIRST_LOOK + i * BURST for i, a in enumerate([*others, best])}
         self.burst: tuple[str, int] | None = None  # (arm, steps left to decide)
-        self.warmup = False  # the burst's next measured step is its drafter's catch-up: left out
-        self.warmup_ms = 0.0  # of the ratio, not of what the burst cost
+        self.warmup = False  # the burst's next measured step is its drafter's catch-up
+        self.warmup_ms = 0.0  # a small batch's catch-up: left out of the ratio, not of what the burst cost
         self.measured: list[tuple[float, float]] = []  # the burst's steps, as measured
+        self.last_drafted = 0  # the step that last drafted
+        self.plain_run = 0  # plain steps before the burst's catch-up
+        self.sessions = 1  # decoding at the burst's start
+        self.catch_up = catch_up or CatchUp()  # the policy's, shared by its buckets
+
+    def _look_gap(self, burst: list[tuple[float, float]], last: float, beside_ms: float) -> float:
+        """Plain steps before drafting is looked at again in a bigger batch on plain, so that a look costs
+        at most EXPLORE_SHARE of the time: what its steps lost, and its catch-up, which grows with every
+        plain step before it (each session's context since its last draft: at 16 streams on a 2-core CPU
+        1.4 ms per plain step of 15 ms). Where the catch-up alone takes more than the share, drafting is
+        not looked at again in this batch: every look would cost more the later it came."""
+        rest = burst[1:]
+        if self.plain_run >= BESIDE:
+            self.catch_up.observe(max(burst[0][1] - _mean_ms(rest), 0.0) / (self.plain_run * self.sessions))
+        lost_ms = sum(m for _, m in rest) * max(1.0 - last, 0.0)
+        return self.catch_up.gap(lost_ms, beside_ms, self.sessions)
 
     def ratio(self, arm: str) -> float | None:
         ratios = self.ratios[arm]
@@ -287,7 +327,11 @@ class _Bucket:
         if arm == self.best and self.burst is None and not self.measured:
             self.beside.append((value, ms))
         elif self.warmup:
-            self.warmup, self.warmup_ms = False, ms
+            self.warmup = False
+            if self.small:
+                self.warmup_ms = ms
+            else:
+                self.measured.append((value, ms))
         elif self.burst is not None or self.measured:
             self.measured.append((value, ms))
 
@@ -309,7 +353,9 @@ class _Bucket:
             # at most EXPLORE_SHARE of the time until the next one.
             beside_ms = _mean_ms(self.beside)
             burst_ms = sum(m for _, m in burst) + self.warmup_ms
-            if not (self.small and arm != "plain" and last < 1):
+            if not self.small and arm != "plain" and self.best == "plain" and len(burst) > 1:
+                gap = max(gap * _mean_ms(burst[1:]) / beside_ms, self._look_gap(burst, last, beside_ms))
+            elif not (self.small and arm != "plain" and last < 1):
                 lost_ms = burst_ms * max(1.0 - last, 0.0)
                 gap = max(gap * _mean_ms(burst) / beside_ms, lost_ms / EXPLORE_SHARE / beside_ms)
             else:
@@ -324,7 +370,7 @@ class _Bucket:
                 # there is the machine (through the service, 16 streams drafted at tau 2.5 and lost 20%
                 # by it), and a drafting step costs up to six plain ones.
                 gap = burst_ms * min(1 << max(self.losses[arm] - 1, 0), SMALL_BACKOFF) / beside_ms
-        self.next_explore[arm] = self.steps + max(round(gap), CONFIRM)
+        self.next_explore[arm] = self.steps + max(round(gap), CONFIRM) if gap < float("inf") else gap
         if self.best == "plain" and last <= 0.95:
             # Drafting lost here: the other drafting arms wait as long (one drafting burst of 16
             # sessions cost six plain steps, and three arms explored apart tripled that).
@@ -333,7 +379,13 @@ class _Bucket:
                     self.next_explore[other] = max(self.next_explore[other], self.next_explore[arm])
         # One burst alone switches only when it wins by much: at 8 streams a drafting burst measured
         # 1.1-1.3x plain where one session's text was predictable for a few steps, and kept the batch.
+        # In a bigger batch, a tie goes to plain: drafting there costs what no step measures (sessions
+        # drafting at their own pace end apart, and the stragglers finish in small batches: at 8 streams
+        # full drafting matched plain step for step and lost 20% over the run by its tail), and going
+        # plain costs no catch-up.
         needed = MARGIN if len(self.ratios[arm]) == KEEP else 3 * MARGIN
+        if arm == "plain" and not self.small:
+            needed -= MARGIN
         if measured and self.ratio(arm) > 1 + needed:
             switch = self.ratio(arm)
             for other in self.arms:  # ratios to the old best become ratios to the new one
@@ -378,20 +430,30 @@ class MeasuredPolicy:
         self.cost_curve = cost_curve  # the forward's ms against packed tokens (the confident arm's model)
         self.batch_curve = batch_curve or cost_curve  # a plain step's ms against sessions (the yardstick)
         self.calibration = AcceptanceCalibration()
+        self.catch_up = CatchUp()
         self.tau = TAU_PRIOR  # committed tokens per verified drafting session-step, running
         self.draft_ms_per_token: float | None = None  # the drafter's time per block token, running
         self._buckets: dict[int, _Bucket] = {}
         self._open: tuple[_Bucket, str, float, float] | None = None  # bucket, arm, start, tokens per session
 
-    def decide(self, num_decoding: int, fresh: int = 0, full_tokens: int | None = None) -> Decision:
+    def decide(self, num_decoding: int, fresh: int = 0, full_tokens: int | None = None,
+               prefills: bool = False) -> Decision:
         """`fresh`: how many of the sessions decode for the first time; `full_tokens`: the tokens the step
         would verify with every proposal (each session's block), for a new batch size's start (None: no
-        prediction, the nearest bucket's best arm). A batch of one or two is its
+        prediction, the nearest bucket's best arm); `prefills`: the step also prefills (it measures
+        nothing, so no burst starts on it: one whose steps all prefilled was judged on nothing and
+        looked at again 32 steps later, at 16 streams a catch-up each time). A batch of one or two is its
         own text's yield: when most of it is new, what its bucket measured was another text's (a lone
         stream after a burst of load learnt plain from the hardest straggler of that burst), and every
         other arm is looked at again within FIRST_LOOK steps. A bigger batch's mix averages over texts."""
         bucket = self._bucket(num_decoding, full_tokens)
         bucket.steps += 1
+        decision = self._choose(bucket, num_decoding, fresh, prefills)
+        if decision.drafts:
+            bucket.last_drafted = bucket.steps
+        return decision
+
+    def _choose(self, bucket: _Bucket, num_decoding: int, fresh: int, prefills: bool) -> Decision:
         if num_decoding <= SMALL_BATCH and 2 * fresh >= num_decoding:
             for arm in bucket.arms:
                 if arm != bucket.best:
@@ -405,7 +467,7 @@ class MeasuredPolicy:
             bucket.burst = None
             bucket.judge(arm)  # its last step was measured as this step started
         due = [a for a in bucket.arms if a != bucket.best and bucket.steps >= bucket.next_explore[a]]
-        if not due or not bucket.beside:
+        if not due or not bucket.beside or prefills:
             return Decision(bucket.best, "best")
         arm = min(due, key=bucket.next_explore.__getitem__)
         if arm == "plain" and _rate(bucket.beside) > PLAIN_CLEAR:
@@ -419,6 +481,8 @@ class MeasuredPolicy:
         # spans DRAFT_SAMPLE session-steps.
         steps = BURST if arm == "plain" else max(BURST, -(-DRAFT_SAMPLE // num_decoding))
         bucket.burst, bucket.measured, bucket.warmup, bucket.warmup_ms = (arm, steps - 1 + catch_up), [], catch_up, 0.0
+        if catch_up:
+            bucket.plain_run, bucket.sessions = bucket.steps - bucket.last_drafted, num_decoding
         return Decision(arm, "exploring")
 
     def verify_lengths(self, decision: Decision, probs: Sequence[torch.Tensor], base_tokens: int,
@@ -458,7 +522,11 @@ class MeasuredPolicy:
             self._open = (self._bucket(num_decoding), decision.arm, start, emitted / num_decoding * plain_ms)
 
     def idle(self) -> None:
+        """The loop waited for work: the steps before are another set of texts' (at another point of
+        them), which what comes next must not be held against."""
         self._open = None
+        for bucket in self._buckets.values():
+            bucket.beside.clear()
 
     def best(self, num_decoding: int) -> tuple[str, dict[str, float | None]]:
         """The best arm at this batch and each other arm's measured ratio to it, for metrics and tests."""
@@ -477,13 +545,16 @@ class MeasuredPolicy:
             # Only above SMALL_BATCH: in a batch of one or two a drafting step costs two or three plain
             # ones, so a first look costs little, and the prediction's tau (the prior, or another
             # batch's) is not its text's: a fresh engine's lone stream started on plain and stayed there.
-            starts_plain = predicted is not None and predicted < 1 and key > SMALL_BATCH
+            # Above it, a batch starts on plain unless drafting is predicted to win by MARGIN (a tie
+            # goes to plain: see _Bucket.judge).
+            starts_plain = predicted is not None and predicted < 1 + MARGIN and key > SMALL_BATCH
             bucket = self._buckets[key] = _Bucket("plain" if starts_plain else best, self.arms,
-                                                  small=key <= SMALL_BATCH)
+                                                  small=key <= SMALL_BATCH, catch_up=self.catch_up)
             if starts_plain:
                 plain_ms = self.batch_curve(num_decoding)
-                lost_ms = (BURST + 1) * self._drafting_ms(full_tokens) * (1 - predicted)  # + its catch-up
-                first = max(FIRST_LOOK, round(lost_ms / EXPLORE_SHARE / plain_ms))
+                lost_ms = (BURST + 1) * self._drafting_ms(full_tokens) * max(1 - predicted, 0.0)  # + catch-up
+                gap = self.catch_up.gap(lost_ms, plain_ms, num_decoding)
+                first = max(FIRST_LOOK, round(gap)) if gap < float("inf") else gap
                 for arm in bucket.arms:
                     if arm != "plain":
                         bucket.next_explore[arm] = max(bucket.next_explore[arm], first)
