@@ -112,6 +112,10 @@ class _PaddedGroup:
         self.packed_rows = plan._tensor(sum(([row + j for j in range(s.num_queries)] for row, s in members), []))
         self.out_rows = plan._tensor(out_rows)
         self.page_ids = plan._tensor(pages)
+        # A lone session whose pages are consecutive in the pool (a fresh pool's usual case): its keys and
+        # values are read as a slice of the pool, a view, instead of gathered (a copy per layer and step).
+        consecutive = self.batch == 1 and bool(pages) and pages == list(range(pages[0], pages[0] + len(pages)))
+        self.page_range = (pages[0], pages[0] + len(pages)) if consecutive else None
         keys = torch.arange(self.pages * size, device=plan.device)  # pool row -> position from row 0
         limit = plan._tensor(limits).view(self.batch, 1, self.queries, 1)
         self.mask = keys.view(1, 1, 1, -1) <= limit
@@ -141,8 +145,12 @@ class PaddedSDPA:
             b, q, width = group.batch, group.queries, group.pages * plan.page_tokens
             qg = query if group.identity else query.index_select(1, group.q_rows)
             qg = qg.reshape(heads, b, q, dim).transpose(0, 1)
-            k = keys.index_select(0, group.page_ids).view(b, width, *keys.shape[2:]).transpose(1, 2)
-            v = values.index_select(0, group.page_ids).view(b, width, *values.shape[2:]).transpose(1, 2)
+            if group.page_range is not None:
+                k, v = keys[slice(*group.page_range)], values[slice(*group.page_range)]
+            else:
+                k, v = keys.index_select(0, group.page_ids), values.index_select(0, group.page_ids)
+            k = k.view(b, width, *keys.shape[2:]).transpose(1, 2)
+            v = v.view(b, width, *values.shape[2:]).transpose(1, 2)
             o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.window_mask(window), scale=scale,
                                                enable_gqa=k.shape[1] != heads)
             o = o.transpose(1, 2).reshape(b * q, heads, dim)
