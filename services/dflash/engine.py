@@ -315,10 +315,10 @@ class SpeculativeEngine:
             self.policy.step_started(t0)
         prefill_tokens = sum(n for _, n in plan.prefills)
         sizes = [self._round_block_size(g) for g in plan.decodes]
-        decision = self._decide(sizes, sum(g.num_rounds == 0 for g in plan.decodes), bool(plan.prefills))
         # A step in which nobody could draft (block-size-1 requests only) is no arm's: the policy is not told
         # of it (its bucket would be made without the cost model's start, and its measures mixed up).
         chose = any(size > 1 for size in sizes)
+        decision = self._decide(sizes, chose, sum(g.num_rounds == 0 for g in plan.decodes), bool(plan.prefills))
         if not decision.drafts:
             sizes = [1] * len(sizes)
         if self.pipeline is None:
@@ -435,10 +435,11 @@ class SpeculativeEngine:
         return ([decodes[i] for i in verify], [h.draft if h else Draft.none() for h in held],
                 [h.ms if h else 0.0 for h in held])
 
-    def _decide(self, sizes: list[int], fresh: int, prefills: bool) -> Decision:
-        """Whether this step drafts and how its proposals are verified (verify_policy.py); `fresh`: how
-        many of the sessions decode for the first time; `prefills`: the step also prefills."""
-        if not any(size > 1 for size in sizes):
+    def _decide(self, sizes: list[int], drafting: bool, fresh: int, prefills: bool) -> Decision:
+        """Whether this step drafts and how its proposals are verified (verify_policy.py); `drafting`: some
+        session may draft; `fresh`: how many of the sessions decode for the first time; `prefills`: the
+        step also prefills."""
+        if not drafting:
             return Decision("plain", "nothing to draft")
         if self.policy is None:
             return Decision("full", "policy off")
