@@ -7,6 +7,7 @@ Not a test. Prints one table from one run (see dflash.bench.inprocess for what e
     python benchmarks/serving_path.py --streams 16 --max-new-tokens 64 --policies full
     python benchmarks/serving_path.py --passes 3                # what issue 31's ratios are read from
     python benchmarks/serving_path.py --streams 1 --requests-per-stream 8 --passes 3   # a lone stream, 8 texts
+    python benchmarks/serving_path.py --dtype bfloat16          # the bf16 regime (AMX matmuls on a recent Xeon)
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--streams", default="1,8,16", help="comma-separated concurrencies (default 1,8,16)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="auto", help="the engines' dtype (default auto: float32 on CPU)")
+    p.add_argument("--drafter-dtype", default="auto",
+                   help="the drafter's dtype (default auto: bfloat16 beside a float32 target on an AMX CPU)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: what a replica gets)")
     p.add_argument("--policies", default="adaptive,full", help="verify policies to run DFlash with (default both)")
     p.add_argument("--stream-interval-ms", type=float, help="the engine's stream interval (default: its default)")
@@ -41,7 +45,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     concurrencies = [int(c) for c in args.streams.split(",")]
     extra = {} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms}
-    engines = {name: build_engine(*demo_pair(), scheduler=SchedulerConfig(verify_policy=name, **extra))
+    engines = {name: build_engine(*demo_pair(), dtype=args.dtype, drafter_dtype=args.drafter_dtype,
+                                  scheduler=SchedulerConfig(verify_policy=name, **extra))
                for name in args.policies.split(",")}
     encode = next(iter(engines.values())).encode
     # At least 16 drawn, so a concurrency runs on the same prompts (the last c) whatever else is swept.

@@ -54,7 +54,7 @@ own request counts. The ingress asks for no CPU: the head offers none (only its 
 {{- define "dflash.serviceArgs" -}}
 {{- $v := .Values }}
 {{- $paths := include "dflash.modelPaths" . | fromJson }}
-{{- $model := dict "target" $paths.target "drafter" $paths.drafter "device" $v.model.device "dtype" $v.model.dtype "name" $v.model.name }}
+{{- $model := dict "target" $paths.target "drafter" $paths.drafter "device" $v.model.device "dtype" $v.model.dtype "drafter_dtype" $v.model.drafterDtype "name" $v.model.name }}
 {{- $redis := dict "ttl_s" (int $v.sessions.ttlSeconds) "key_prefix" $v.sessions.keyPrefix "socket_timeout_s" (float64 $v.sessions.socketTimeoutSeconds) }}
 {{- $net := dict "port" (int $v.drafter.net.port) "timeout_s" (float64 $v.drafter.net.timeoutSeconds) "retry_after_s" (float64 $v.drafter.net.retryAfterSeconds) "chunk_bytes" (int $v.drafter.net.chunkBytes) "max_sessions" (int $v.drafter.net.maxSessions) "workers" (int $v.drafter.net.workers) "context_window" (int $v.drafter.net.contextWindow) }}
 {{- $sched := $v.verifier.scheduler }}

@@ -14,10 +14,13 @@ from torch import nn
 from .drafter.checkpoint import check_compatible, load_config, load_drafter, resolve_dir
 from .drafter.config import DFlashConfig
 from .drafter.local import LocalDrafter
+from .drafter.model import DFlashDraftModel
 from .drafter.protocol import Drafter
 from .engine import SpeculativeEngine, StepObserver
 from .errors import CheckpointError, DFlashError
+from .fused_norms import fuse_rms_norms
 from .journal import RoundJournal
+from .packed_linear import can_pack, pack_linear, pack_linears
 from .scheduler import SchedulerConfig
 from .target import TargetModel
 
@@ -86,6 +89,46 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype | str:
     return DTYPES[dtype]
 
 
+def resolve_drafter_dtype(dtype: str, target_dtype: torch.dtype | str, device: torch.device) -> torch.dtype | str:
+    """The drafter's dtype. auto: bfloat16 where the target runs in float32 on a CPU with AMX tiles, the
+    target's dtype elsewhere. The drafter's numerics decide how many proposals the target accepts, never
+    the output, and AMX runs the drafter's small bf16 matmuls in about half the time of float32's
+    (docs/service.md, "The drafter in bf16")."""
+    if dtype == "auto":
+        return torch.bfloat16 if target_dtype == torch.float32 and can_pack(device) else target_dtype
+    return resolve_dtype(dtype, device)
+
+
+def local_drafter(draft_model: DFlashDraftModel, embed_tokens: nn.Module, lm_head: nn.Module,
+                  heads_shared: bool = True) -> LocalDrafter:
+    """A LocalDrafter over the target's embedding and LM head, in the drafter's dtype: the target's own
+    modules when the dtypes match, otherwise copies made once (on an 8B target in float32, 1.2 GB each in
+    bf16). The drafter's Linear layers, and a head that is the drafter's alone (a copy, or
+    `heads_shared=False`: a drafter replica's), are packed for AMX where that is exact (packed_linear.py)."""
+    dtype = next(draft_model.parameters()).dtype
+    if embed_tokens.weight.dtype != dtype:
+        embed_tokens = nn.Embedding.from_pretrained(embed_tokens.weight.detach().to(dtype), freeze=True,
+                                                    padding_idx=embed_tokens.padding_idx)
+    if lm_head.weight.dtype != dtype:
+        copy = nn.Linear(lm_head.in_features, lm_head.out_features, bias=lm_head.bias is not None, device="meta")
+        copy.weight = nn.Parameter(lm_head.weight.detach().to(dtype), requires_grad=False)
+        if lm_head.bias is not None:
+            copy.bias = nn.Parameter(lm_head.bias.detach().to(dtype), requires_grad=False)
+        lm_head, heads_shared = copy, False
+    if not heads_shared:
+        lm_head = pack_linear(lm_head)
+    pack_linears(draft_model)
+    return LocalDrafter(draft_model, embed_tokens, lm_head)
+
+
+def prepare_for_inference(model: nn.Module) -> nn.Module:
+    """What every model the engine (or a baseline beside it) runs gets: the device's weight layout
+    (`lay_out_for_device`) and its RMSNorms as single calls where that is bit-identical
+    (fused_norms.py). Values and outputs unchanged; not for a model that is trained or saved afterwards."""
+    fuse_rms_norms(lay_out_for_device(model))
+    return model
+
+
 def lay_out_for_device(model: nn.Module) -> nn.Module:
     """For inference on CPU: every nn.Linear weight [out, in] stored column-major (values and shape
     unchanged, only strides), so the `weight.t()` that F.linear multiplies by is a contiguous [in, out]
@@ -138,6 +181,7 @@ def build_engine(
     *,
     device: str = "auto",
     dtype: str = "auto",
+    drafter_dtype: str = "auto",
     scheduler: SchedulerConfig = SchedulerConfig(),
     observer: StepObserver | None = None,
     journal: RoundJournal | None = None,
@@ -152,7 +196,7 @@ def build_engine(
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     model, tokenizer = load_target(target, dev, torch_dtype)
-    lay_out_for_device(model)
+    prepare_for_inference(model)
     embed_rows = model.get_input_embeddings().weight.shape[0]
     engine_drafter: Drafter | None = None
     layer_ids: tuple[int, ...] = ()
@@ -161,12 +205,12 @@ def build_engine(
         check_compatible(draft_config, model.config, embed_rows)
         engine_drafter, layer_ids = remote_drafter(draft_config), draft_config.target_layer_ids
     elif drafter is not None:
-        draft_model = load_drafter(drafter, device=dev, dtype=model.dtype)
-        lay_out_for_device(draft_model)
+        draft_model = load_drafter(drafter, device=dev, dtype=resolve_drafter_dtype(drafter_dtype, model.dtype, dev))
+        prepare_for_inference(draft_model)
         check_compatible(draft_model.config, model.config, embed_rows)
         layer_ids = draft_model.config.target_layer_ids
     target_model = TargetModel(model, layer_ids)
     if drafter is not None and remote_drafter is None:
-        engine_drafter = LocalDrafter(draft_model, target_model.embed_tokens, target_model.lm_head)
+        engine_drafter = local_drafter(draft_model, target_model.embed_tokens, target_model.lm_head)
     return SpeculativeEngine(target_model, engine_drafter, tokenizer, eos_ids(model), scheduler, observer=observer,
                              journal=journal)

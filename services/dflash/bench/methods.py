@@ -202,10 +202,13 @@ def transformers_dflash(model: PreTrainedModel, drafter_model: DFlashDraftModel,
     """transformers' own DFlash loop (`speculation_type="dflash"`) on our drafter's weights, converted
     exactly (dflash.drafter.transformers_format); raises CheckpointError for a drafter it cannot run."""
     from ..drafter.transformers_format import to_transformers
-    from ..loading import lay_out_for_device
+    from ..loading import prepare_for_inference
 
-    # Laid out as our drafter is (its weights are copied into a fresh transformers model).
-    return HFMethod(TRANSFORMERS_DFLASH, model, lay_out_for_device(to_transformers(drafter_model)), pad_token_id,
+    # Laid out as our drafter is (its weights are copied into a fresh transformers model), in the target's
+    # dtype: transformers' loop feeds the target's hidden states to the drafter as they are, so a bf16 drafter
+    # beside a float32 target (ours on an AMX CPU, loading.resolve_drafter_dtype) runs there in float32.
+    converted = to_transformers(drafter_model).to(model.dtype)
+    return HFMethod(TRANSFORMERS_DFLASH, model, prepare_for_inference(converted), pad_token_id,
                     speculation_type="dflash")
 
 

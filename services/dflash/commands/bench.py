@@ -202,13 +202,13 @@ def load_models(target: str | Path, drafter: str | Path | None, ar_draft: str | 
                 args: argparse.Namespace) -> tuple[SpeculativeEngine, SpeculativeEngine, PreTrainedModel | str]:
     """The DFlash engine, a target-only engine sharing its model, and the AR draft model (or a reason)."""
     from ..engine import SpeculativeEngine
-    from ..loading import build_engine, lay_out_for_device, load_target, resolve_device
+    from ..loading import build_engine, load_target, prepare_for_inference, resolve_device
     from ..scheduler import SchedulerConfig
     from ..target import TargetModel
 
     # One stream per method, every proposal verified: the method as the paper runs it. The adaptive
     # verify policy is a batching concern, measured by --load through the service.
-    engine = build_engine(target, drafter, device=args.device, dtype=args.dtype,
+    engine = build_engine(target, drafter, device=args.device, dtype=args.dtype, drafter_dtype=args.drafter_dtype,
                           scheduler=SchedulerConfig(verify_policy="full"))
     if engine.tokenizer is None:
         raise DFlashError(f"the target '{target}' has no tokenizer; dflash bench needs one to encode prompts")
@@ -220,7 +220,7 @@ def load_models(target: str | Path, drafter: str | Path | None, ar_draft: str | 
         ar_model = f"the demo's autoregressive draft model is missing ({ar_draft}); rebuild with `dflash demo build`"
     else:
         ar_model, _ = load_target(ar_draft, resolve_device(args.device), model.dtype)
-        lay_out_for_device(ar_model)  # as the engine's target and drafter are laid out
+        prepare_for_inference(ar_model)  # as the engine's target and drafter are laid out
     return engine, baseline, ar_model
 
 
@@ -280,7 +280,8 @@ def in_process_methods(args: argparse.Namespace) -> tuple:
     if not args.threads:
         torch.set_num_threads(1)  # what Ray gives a verifier replica
     target, drafter = model_dirs(args)
-    client = InProcessClient(build_engine(target, drafter, device=args.device, dtype=args.dtype))
+    client = InProcessClient(build_engine(target, drafter, device=args.device, dtype=args.dtype,
+                                                drafter_dtype=args.drafter_dtype))
     return client, tuple(LoadMethod(f"in-process {m.name}", m.block_size, in_process=True) for m in METHODS)
 
 

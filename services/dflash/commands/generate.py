@@ -32,6 +32,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     p.add_argument("--dtype", default="auto",
                    help="auto, float32, bfloat16 or float16 (auto: checkpoint dtype on GPU, float32 on CPU)")
+    p.add_argument("--drafter-dtype", default="auto",
+                   help="the drafter's dtype (auto: bfloat16 beside a float32 target on a CPU with AMX, else the "
+                        "target's); it changes how many proposals are accepted, never the output")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -85,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         drafter = None
     from ..scheduler import SchedulerConfig
 
-    engine = build_engine(target, drafter, device=args.device, dtype=args.dtype,
+    engine = build_engine(target, drafter, device=args.device, dtype=args.dtype, drafter_dtype=args.drafter_dtype,
                           scheduler=SchedulerConfig(verify_policy=args.verify_policy))
     prompt = args.prompt
     if args.chat:

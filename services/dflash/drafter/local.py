@@ -8,6 +8,7 @@ from torch import nn
 from ..attention_backend import AttentionBackend, backend_for, page_tokens_for
 from ..block_manager import BlockManager, CacheShape
 from ..errors import DFlashError
+from ..packed_linear import PackedLinear
 from ..rounds import confident_length
 from ..sampling import propose_tokens
 from .model import DFlashDraftModel, PackedDraft
@@ -32,6 +33,7 @@ class LocalDrafter:
         self.model = model
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
+        self._head_dtype = lm_head.dtype if isinstance(lm_head, PackedLinear) else lm_head.weight.dtype
         cfg = model.config
         self.block_size = cfg.block_size
         self.mask_token_id = cfg.mask_token_id
@@ -88,7 +90,7 @@ class LocalDrafter:
         # the greedy sessions' picks for all of them at once; sampled sessions pick on their own rows.
         rows = [o + j for r, o in zip(requests, batch.blk_offsets) for j in range(1, r.block_size)]
         rows = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
-        logits = self.lm_head(hidden.index_select(0, rows).to(self.lm_head.weight.dtype)).float()
+        logits = self.lm_head(hidden.index_select(0, rows).to(self._head_dtype)).float()
         tokens, probs = propose_tokens(logits, GREEDY, 0, with_probs=True)
         sampled = [(i, r) for i, r in enumerate(requests) if not r.sampling.greedy]
         if sampled:

@@ -61,6 +61,7 @@ class ModelConfig:
     drafter: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    drafter_dtype: str = "auto"  # auto: bfloat16 beside a float32 target on an AMX CPU, else the target's
     name: str = ""  # reported as gen_ai.request.model; defaults to the target path's last part
 
 

@@ -7,9 +7,15 @@ import torch
 from ..defaults import demo_pair
 from ..drafter.checkpoint import check_compatible, load_drafter
 from ..drafter.config import DFlashConfig
-from ..drafter.local import LocalDrafter
 from ..engine import SpeculativeEngine, StepObserver
-from ..loading import build_engine, lay_out_for_device, resolve_device, resolve_dtype
+from ..loading import (
+    build_engine,
+    local_drafter,
+    prepare_for_inference,
+    resolve_device,
+    resolve_drafter_dtype,
+    resolve_dtype,
+)
 from ..target_heads import load_target_heads
 from .config import ServiceConfig
 from .drafter_client import RemoteDrafter
@@ -43,6 +49,7 @@ def build_verifier_engine(config: ServiceConfig, store: SessionStore, metrics: S
                              draft_config.target_layer_ids, config.drafter_net, metrics)
 
     return build_engine(target_dir, drafter_dir, device=config.model.device, dtype=config.model.dtype,
+                        drafter_dtype=config.model.drafter_dtype,
                         scheduler=config.scheduler, observer=observer or StepTelemetry(metrics), journal=store,
                         remote_drafter=remote if config.mode == "disaggregated" else None)
 
@@ -51,10 +58,12 @@ def build_draft_sessions(config: ServiceConfig) -> DraftSessions:
     """The drafter plus the target's embedding and LM head, read alone from the target's checkpoint."""
     target_dir, drafter_dir = model_dirs(config)
     device = resolve_device(config.model.device)
-    heads = load_target_heads(target_dir, device, resolve_dtype(config.model.dtype, device))
+    # The heads are this replica's alone: loaded in the drafter's dtype (build_engine's rule).
+    dtype = resolve_drafter_dtype(config.model.drafter_dtype, resolve_dtype(config.model.dtype, device), device)
+    heads = load_target_heads(target_dir, device, dtype)
     embed = heads.embed_tokens.weight
-    draft_model = lay_out_for_device(load_drafter(drafter_dir, device=device, dtype=embed.dtype))
-    lay_out_for_device(heads.lm_head)
+    draft_model = prepare_for_inference(load_drafter(drafter_dir, device=device, dtype=embed.dtype))
+    prepare_for_inference(heads.lm_head)
     check_compatible(draft_model.config, heads.config, embed.shape[0])
-    drafter = LocalDrafter(draft_model, heads.embed_tokens, heads.lm_head)
+    drafter = local_drafter(draft_model, heads.embed_tokens, heads.lm_head, heads_shared=False)
     return DraftSessions(drafter, config.drafter_net.max_sessions)
