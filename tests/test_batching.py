@@ -431,6 +431,39 @@ def test_a_new_batch_size_starts_where_the_cost_model_says_then_measurements_dec
     assert untold.decide(16).arm == "full"
 
 
+def test_a_drafter_priced_at_start_up_puts_a_big_batchs_first_look_later_or_never():
+    """The same curves with the drafter's cost known (measure_drafter_cost): its time per block token
+    makes a drafting step dearer than the target's curve alone says, so the first look waits longer;
+    a catch-up per plain step above the exploring share means no look at all in that batch."""
+    cost = CostCurve((1, 16, 256), (6.0, 9.0, 60.0))
+    batch = CostCurve((1, 16), (6.0, 10.0))
+
+    def first_look(policy: MeasuredPolicy) -> int:
+        clock = 0.0
+        for step in range(3000):  # plain steps of 10 ms, as the engine reports them
+            policy.step_started(clock)
+            decision = policy.decide(16, 0, 16 * 16)
+            if decision.drafts:
+                return step
+            policy.step_ran(decision, clock, 16, 16, 0)
+            clock += 0.01
+        return -1
+
+    unpriced = first_look(MeasuredPolicy(cost, batch))
+    priced = first_look(MeasuredPolicy(cost, batch, drafter_cost=(0.1, 0.005)))  # 25.6 ms a drafting step
+    assert 0 < unpriced < priced
+    assert first_look(MeasuredPolicy(cost, batch, drafter_cost=(0.1, 0.05))) == -1  # 0.8 ms a step > 3% of 10
+    assert MeasuredPolicy(cost, batch, drafter_cost=(0.1, 0.05)).decide(1, 1, 16).arm == "full"  # lone: unchanged
+
+
+def test_an_engine_prices_its_local_drafter_at_start_up_and_leaves_no_session_behind():
+    target = tiny_target("qwen3")
+    engine = engine_for(target, tiny_drafter(target, num_layers=1),
+                        config=SchedulerConfig(verify_policy="adaptive", max_running=4))
+    assert engine.policy.draft_ms_per_token > 0 and engine.policy.catch_up.ms >= 0
+    assert engine.drafter.num_sessions == 0
+
+
 def test_exploring_a_slow_arm_that_loses_takes_a_small_share_of_the_time():
     """Sixteen streams: a drafting step takes six plain steps' time and commits half what they would.
     Its bursts are spaced by time, not steps, so exploring it costs a few percent of the throughput."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
-from dflash.fused_norms import fuse_rms_norms
+from dflash.fused_norms import FusedRMSNorm, fuse_rms_norms
 from dflash.loading import prepare_for_inference
 from tiny import tiny_drafter, tiny_target
 from torch import nn
@@ -30,7 +32,22 @@ def test_llama_norms_are_fused_too_and_prepare_for_inference_keeps_outputs():
         before = target(ids).logits
         prepare_for_inference(target)
         assert torch.equal(target(ids).logits, before)
-    assert all("forward" in vars(m) for m in target.modules() if type(m).__name__.endswith("RMSNorm"))
+    norms = [m for m in target.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert norms and all(isinstance(m, FusedRMSNorm) for m in norms)
+
+
+def test_a_fused_model_keeps_its_state_dict_and_its_deepcopy_uses_its_own_weights():
+    target = tiny_target("qwen3", layers=2)
+    keys = list(target.state_dict())
+    fuse_rms_norms(target)
+    assert list(target.state_dict()) == keys
+    ids = torch.randint(0, 60, (1, 9))
+    copied = copy.deepcopy(target)
+    with torch.no_grad():
+        before = target(ids).logits
+        copied.model.norm.weight.mul_(2.0)
+        assert not torch.equal(copied(ids).logits, before)  # the copy computes with its own weight
+        assert torch.equal(target(ids).logits, before)  # and the original is untouched
 
 
 def test_norms_whose_fused_form_differs_keep_their_own_forward():
@@ -46,7 +63,7 @@ def test_norms_whose_fused_form_differs_keep_their_own_forward():
 
     model = nn.Sequential(GemmaLikeRMSNorm(32))
     assert fuse_rms_norms(model) == 0
-    assert "forward" not in vars(model[0])
+    assert not isinstance(model[0], FusedRMSNorm)
     # transformers rounds bf16 twice (the normalised value, then the product with the weight), one
     # fused call once: a bf16 model keeps its norms as they are.
     bf16 = tiny_target("qwen3", layers=1).to(torch.bfloat16)

@@ -40,7 +40,16 @@ from .sampling import sample_rows
 from .scheduler import Scheduler, SchedulerConfig, StepPlan
 from .stats import GenerationStats, RoundStats
 from .target import ForwardItem, PackedOutput, TargetModel, TargetOutput
-from .verify_policy import ARMS, PIPED, CostCurve, Decision, MeasuredPolicy, measure_batch_cost, measure_target_cost
+from .verify_policy import (
+    ARMS,
+    PIPED,
+    CostCurve,
+    Decision,
+    MeasuredPolicy,
+    measure_batch_cost,
+    measure_drafter_cost,
+    measure_target_cost,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -134,7 +143,12 @@ class SpeculativeEngine:
             arms = (*ARMS, PIPED) if self.pipeline is not None and config.pipeline_drafts == "auto" else ARMS
             if cost_curve is None:
                 cost_curve = measure_target_cost(target, config.max_step_tokens)
-                self.policy = MeasuredPolicy(cost_curve, measure_batch_cost(target, config.max_running), arms)
+                # A drafter on the target's device is priced at start-up too; a remote one when it drafts.
+                drafter_cost = None if drafter is None or drafter.separate_device else measure_drafter_cost(
+                    drafter, len(target.layer_ids) * target.model.config.get_text_config().hidden_size,
+                    target.model.dtype, target.model.device, min(config.max_running, 16))
+                self.policy = MeasuredPolicy(cost_curve, measure_batch_cost(target, config.max_running), arms,
+                                             drafter_cost)
             else:
                 self.policy = MeasuredPolicy(cost_curve, arms=arms)
 

@@ -14,8 +14,6 @@ not). Any other kind (Gemma's `1 + weight`, a kernel whose reduction order diffe
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,36 +21,46 @@ from torch import nn
 _PROBE_ROWS = (1, 3, 16)
 
 
+class FusedRMSNorm(nn.Module):
+    """An RMSNorm as one `F.rms_norm` call. It holds the replaced module's own weight Parameter, so
+    state_dict keys, tied or shared weights and `copy.deepcopy` behave as they did."""
+
+    def __init__(self, weight: nn.Parameter, eps: float) -> None:
+        super().__init__()
+        self.weight = weight
+        self.variance_epsilon = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(hidden, (self.weight.shape[0],), self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
+
+
 def fuse_rms_norms(model: nn.Module) -> int:
-    """Swap every RMSNorm of `model` whose fused form is bit-identical (inference only; the swap is
-    per instance and keeps the weights). Returns how many were swapped."""
+    """Replace every RMSNorm of `model` whose fused form is bit-identical by a `FusedRMSNorm` over the
+    same weight (inference only). Returns how many were replaced."""
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if _is_llama_rms_norm(child)]
     swapped = 0
-    for module in model.modules():
-        if _is_llama_rms_norm(module) and _same_bits(module, _fused_forward(module)):
-            module.forward = _fused_forward(module)
+    for parent, name, child in swaps:
+        fused = FusedRMSNorm(child.weight, child.variance_epsilon)
+        if _same_bits(child, fused):
+            setattr(parent, name, fused)
             swapped += 1
     return swapped
 
 
 def _is_llama_rms_norm(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
-    return (type(module).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor) and weight.dim() == 1
-            and weight.dtype == torch.float32
+    return (type(module).__name__.endswith("RMSNorm") and not isinstance(module, FusedRMSNorm)
+            and isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.dtype == torch.float32
             and isinstance(getattr(module, "variance_epsilon", None), float)
             and "forward" not in vars(module) and len(list(module.parameters())) == 1)
 
 
-def _fused_forward(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    weight, eps, shape = module.weight, module.variance_epsilon, (module.weight.shape[0],)
-
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(hidden, shape, weight, eps)
-
-    return forward
-
-
 @torch.no_grad()
-def _same_bits(module: nn.Module, fused: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+def _same_bits(module: nn.Module, fused: nn.Module) -> bool:
     weight = module.weight
     gen = torch.Generator().manual_seed(0)
     for rows in _PROBE_ROWS:

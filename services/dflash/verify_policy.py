@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .drafter.protocol import Drafter, DraftRequest
 from .target import ForwardItem, TargetModel
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,43 @@ def measure_batch_cost(target: TargetModel, max_sessions: int) -> CostCurve:
     curve = measure_cost_curve(forward, max_sessions)
     log.info("plain step cost (sessions -> ms): %s", dict(zip(curve.tokens, (round(m, 2) for m in curve.ms))))
     return curve
+
+
+def measure_drafter_cost(drafter: Drafter, width: int, dtype: torch.dtype, device: torch.device,
+                         sessions: int, repeats: int = 3) -> tuple[float, float]:
+    """A drafter's cost at start-up, on throwaway sessions: (ms per block token of a drafting step of
+    `sessions` blocks, each over 128 positions of context; ms per session per context row it catches
+    up on). Without it a fresh engine's first look at drafting in a big batch was priced with neither
+    (the drafter unmeasured until it first drafted): at 16 streams on this 2-core CPU that look took 5
+    steps of 170 ms against 21 ms plain ones, a quarter of a 3-second batch. `width`: the context
+    features' width (num_features * the target's hidden size)."""
+    block, ids = drafter.block_size, [f"cost-{i}" for i in range(sessions)]
+
+    def call(rows: int, start: int) -> float:
+        context = torch.zeros(rows, width, dtype=dtype, device=device)
+        requests = [DraftRequest(sid, context, start, 0, block, restart=start == 0) for sid in ids]
+        t0 = time.perf_counter()
+        drafter.draft_batch(requests)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1000
+
+    try:
+        call(128, 0)
+        at, steps, ups = 128, [], []
+        for _ in range(repeats):
+            steps.append(call(1, at))
+            ups.append(call(33, at + 1))
+            at += 34
+        step_ms, up_ms = sorted(steps)[len(steps) // 2], sorted(ups)[len(ups) // 2]
+    finally:
+        for sid in ids:
+            drafter.release(sid)
+    per_token = step_ms / (sessions * block)
+    per_row = max(up_ms - step_ms, 0.0) / (32 * sessions)
+    log.info("drafter cost: %.4f ms per block token (%d sessions), %.4f ms per context row", per_token, sessions,
+             per_row)
+    return per_token, per_row
 
 
 def choose_verify_lengths(probs: Sequence[torch.Tensor], base_tokens: int, cost: CostCurve,
@@ -425,7 +463,7 @@ class MeasuredPolicy:
     previous step's period; `idle` when the loop waited for work (that period measures nothing)."""
 
     def __init__(self, cost_curve: CostCurve, batch_curve: CostCurve | None = None,
-                 arms: tuple[str, ...] = ARMS) -> None:
+                 arms: tuple[str, ...] = ARMS, drafter_cost: tuple[float, float] | None = None) -> None:
         self.arms = arms  # ARMS, plus PIPED for a drafter that runs apart
         self.cost_curve = cost_curve  # the forward's ms against packed tokens (the confident arm's model)
         self.batch_curve = batch_curve or cost_curve  # a plain step's ms against sessions (the yardstick)
@@ -433,6 +471,8 @@ class MeasuredPolicy:
         self.catch_up = CatchUp()
         self.tau = TAU_PRIOR  # committed tokens per verified drafting session-step, running
         self.draft_ms_per_token: float | None = None  # the drafter's time per block token, running
+        if drafter_cost is not None:  # measured at start-up (measure_drafter_cost): the first prices known
+            self.draft_ms_per_token, self.catch_up.ms = drafter_cost
         self._buckets: dict[int, _Bucket] = {}
         self._open: tuple[_Bucket, str, float, float] | None = None  # bucket, arm, start, tokens per session
 
