@@ -21,7 +21,8 @@ plain pays there (below); the cost model proposes; measurements decide.
 A new batch size's start (of more than SMALL_BATCH sessions): drafting's yield is predicted as tau
 (committed tokens per drafting session-step, as measured so far; TAU_PRIOR before any) over the time of
 verifying every session's whole block (`cost_curve`) and drafting it (the drafter's time per token so
-far, extrapolated linearly: batched drafting costs less per token, so this leans to plain), plain's as
+far, extrapolated linearly: batched drafting costs less per token, so this leans to plain; a drafter on
+the target's device is priced at start-up, `measure_drafter_cost`, with its catch-up), plain's as
 one token over a plain step (`batch_curve`). Where plain is predicted to yield more, the bucket starts
 on plain and first tries drafting once what that burst is predicted to lose is EXPLORE_SHARE of the time
 since: on this CPU a fresh service's first 16 streams started on full (no bucket near) and spent its
